@@ -1,0 +1,53 @@
+# kt-ft developer entry points. README's first two commands: `make install demo`, `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The pinned stack is ~8 GB: it is built once per requirements hash in a cache outside the
+# clone and .venv links to it, so a fresh clone (or CI rerun) does not reinstall it.
+VENV_CACHE ?= $(HOME)/.cache/kt-ft/venvs
+STACK_HASH := $(shell cat requirements/stack.txt | sha256sum | cut -c1-16)
+CACHED_VENV := $(VENV_CACHE)/py311-$(STACK_HASH)
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+export DISABLE_VERSION_CHECK := 0
+DEMO_DIR ?= demo
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint format clean-demo
+
+install: $(CACHED_VENV)/.stack-ok
+	@if [ ! -e $(VENV) ] || [ "$$(readlink $(VENV))" != "$(CACHED_VENV)" ]; then rm -rf $(VENV); ln -s $(CACHED_VENV) $(VENV); fi
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	@$(BIN)/python -c "import kt_ft, sys; print('kt-ft', kt_ft.__version__, 'installed in', sys.prefix)"
+
+$(CACHED_VENV)/.stack-ok: requirements/stack.txt
+	rm -rf $(CACHED_VENV).tmp
+	$(PYTHON) -m venv $(CACHED_VENV).tmp
+	$(CACHED_VENV).tmp/bin/python -m pip install -q --upgrade pip
+	$(CACHED_VENV).tmp/bin/python -m pip install -q -r requirements/stack.txt
+	rm -rf $(CACHED_VENV) && mv $(CACHED_VENV).tmp $(CACHED_VENV)
+	# a venv's scripts hard-code its path: rebuild them for the final location
+	$(CACHED_VENV)/bin/python -m pip install -q --force-reinstall --no-deps -r requirements/stack.txt
+	touch $@
+
+$(DEMO_DIR)/model/config.json:
+	$(BIN)/kt-ft make-demo-model $(DEMO_DIR)
+
+demo: install $(DEMO_DIR)/model/config.json
+	$(BIN)/llamafactory-cli train recipes/demo_tiny_qwen3moe.yaml
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check kt_ft tests hatch_build.py
+	$(BIN)/ruff format --check kt_ft tests hatch_build.py
+
+format: install
+	$(BIN)/ruff format kt_ft tests hatch_build.py
+	$(BIN)/ruff check --fix kt_ft tests hatch_build.py
+
+clean-demo:
+	rm -rf $(DEMO_DIR) saves/demo_tiny_qwen3moe

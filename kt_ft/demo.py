@@ -1,0 +1,100 @@
+"""Tiny offline demo assets: a random MoE model, a locally trained tokenizer, a dataset.
+
+Nothing is downloaded: the model comes from a config (``models.FAMILIES[f].demo_config``),
+the tokenizer is a byte-level BPE trained on the demo dataset with ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from .errors import KTConfigError
+from .models import FAMILIES
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+DATASET_NAME = "kt_demo"
+WORDS = ["cat", "dog", "sun", "tree", "river", "stone", "cloud", "bird", "fish", "moon", "star", "leaf"]
+
+
+def demo_examples(n: int = 256, seed: int = 0) -> list[dict[str, str]]:
+    """Small, learnable instruction data (arithmetic, word reversal, counting), alpaca format."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            a, b = rnd.randint(0, 20), rnd.randint(0, 20)
+            out.append({"instruction": f"Add {a} and {b}.", "input": "", "output": f"{a} plus {b} is {a + b}."})
+        elif kind == 1:
+            w = rnd.choice(WORDS)
+            out.append({"instruction": "Reverse the word.", "input": w, "output": f"The reverse of {w} is {w[::-1]}."})
+        else:
+            ws = rnd.sample(WORDS, rnd.randint(1, 5))
+            out.append(
+                {"instruction": "How many words are in the list?", "input": " ".join(ws), "output": f"There are {len(ws)} words."}
+            )
+    return out
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+def make_demo_model(out_dir: str | Path, family: str = "qwen3_moe", seed: int = 0, dtype: str = "float32") -> Path:
+    """Write ``out_dir/model`` (config, weights, tokenizer) and ``out_dir/data`` (dataset + info)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in FAMILIES:
+        raise KTConfigError(f"--family {family!r} is not supported; valid choices: {', '.join(FAMILIES)}")
+    out = Path(out_dir)
+    data_dir, model_dir = out / "data", out / "model"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    examples = demo_examples(seed=seed)
+    (data_dir / f"{DATASET_NAME}.json").write_text(json.dumps(examples, indent=1))
+    (data_dir / "dataset_info.json").write_text(json.dumps({DATASET_NAME: {"file_name": f"{DATASET_NAME}.json"}}, indent=2))
+
+    texts = [f"{e['instruction']} {e['input']} {e['output']}" for e in examples] + ["user assistant system"]
+    tokenizer = train_tokenizer(texts, vocab_size=400)
+    cfg = dict(FAMILIES[family].demo_config)
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **cfg,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return out

@@ -1,0 +1,1 @@
+"""The only part of kt-ft that imports llamafactory: argument and loader patches."""

@@ -1,0 +1,103 @@
+"""Patches applied to LLaMA-Factory 0.9.5 when its modules are imported (see ``kt_ft._startup``).
+
+* ``llamafactory.hparams.parser``: its ``ModelArguments`` gains kt-ft's keys (``KTArguments``
+  overrides LLaMA-Factory's own ``use_kt``), and the fork-only dependency check
+  (transformers-kt, accelerate-kt) is skipped for kt-ft runs.
+* ``llamafactory.model.loader``: ``init_adapter`` runs LLaMA-Factory's normal LoRA path, then
+  kt-ft replaces the routed experts and adds their LoRA before the parameter count is printed.
+
+With ``use_kt`` false or absent every patched function calls the original unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+from ..errors import KTConfigError
+from ..hparams import KTArguments, recipe_source
+
+
+@contextlib.contextmanager
+def fork_path_hidden(model_args: Any) -> Iterator[None]:
+    """Make LLaMA-Factory's own `use_kt` branches (forked packages) see `use_kt: false`."""
+    was = getattr(model_args, "use_kt", False)
+    model_args.use_kt = False
+    try:
+        yield
+    finally:
+        model_args.use_kt = was
+
+
+def make_kt_model_arguments(model_arguments: type) -> type:
+    """LLaMA-Factory's ModelArguments with KTArguments' fields and validation layered on top."""
+    cls = dataclasses.make_dataclass(
+        model_arguments.__name__, [], bases=(KTArguments, model_arguments), namespace={"__doc__": model_arguments.__doc__}
+    )
+    cls.__module__ = __name__
+    cls.__qualname__ = model_arguments.__qualname__
+    cls._kt_ft_base = model_arguments
+    return cls
+
+
+def check_kt_run(model_args: Any, finetuning_args: Any) -> None:
+    """Recipe combinations kt-ft cannot run, refused before any weight is loaded."""
+    src = recipe_source()
+    problems = []
+    if finetuning_args.finetuning_type != "lora":
+        problems.append(f"{src}: finetuning_type={finetuning_args.finetuning_type!r} with use_kt: kt-ft trains LoRA; valid: lora")
+    if finetuning_args.stage not in ("sft", "pt"):
+        problems.append(f"{src}: stage={finetuning_args.stage!r} with use_kt: kt-ft supports stages sft, pt")
+    if getattr(model_args, "quantization_bit", None) is not None:
+        problems.append(f"{src}: quantization_bit={model_args.quantization_bit!r} with use_kt: not supported (remove it)")
+    if getattr(finetuning_args, "use_dora", False):
+        problems.append(f"{src}: use_dora=true with use_kt: expert LoRA is plain LoRA; remove use_dora")
+    if problems:
+        raise KTConfigError(problems)
+
+
+def patch_parser_module(parser: ModuleType) -> None:
+    if getattr(parser, "_kt_ft_patched", False):
+        return
+    base = parser.ModelArguments
+    kt_cls = make_kt_model_arguments(base)
+    for list_name in ("_TRAIN_ARGS", "_INFER_ARGS", "_EVAL_ARGS", "_TRAIN_MCA_ARGS"):
+        arg_list = getattr(parser, list_name, None)
+        if isinstance(arg_list, list):
+            arg_list[:] = [kt_cls if c is base else c for c in arg_list]
+    parser.ModelArguments = kt_cls
+
+    original_check = parser._check_extra_dependencies
+
+    def _check_extra_dependencies(model_args, finetuning_args, training_args=None):
+        if not getattr(model_args, "use_kt", False):
+            return original_check(model_args, finetuning_args, training_args)
+        with fork_path_hidden(model_args):
+            original_check(model_args, finetuning_args, training_args)
+        check_kt_run(model_args, finetuning_args)
+
+    parser._check_extra_dependencies = _check_extra_dependencies
+    parser._kt_ft_patched = True
+
+
+def patch_loader_module(loader: ModuleType) -> None:
+    if getattr(loader, "_kt_ft_patched", False):
+        return
+    original_init_adapter = loader.init_adapter
+
+    def init_adapter(config, model, model_args, finetuning_args, is_trainable):
+        if not getattr(model_args, "use_kt", False):
+            return original_init_adapter(config, model, model_args, finetuning_args, is_trainable)
+        check_kt_run(model_args, finetuning_args)
+        with fork_path_hidden(model_args):
+            model = original_init_adapter(config, model, model_args, finetuning_args, is_trainable)
+        from .model import attach_kt
+
+        attach_kt(model, model_args, finetuning_args, is_trainable)
+        return model
+
+    loader.init_adapter = init_adapter
+    loader._kt_ft_patched = True

@@ -1,0 +1,81 @@
+"""KTExperts: the module that replaces a transformers v5 fused experts module.
+
+HF's router stays where it is and still calls ``experts(hidden_states, top_k_index,
+top_k_weights)``; this module answers that call on the CPU through ``CPUExpertsFunction``.
+It keeps HF's own frozen ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] parameter
+objects (no copy, same state-dict names, counted in LLaMA-Factory's parameter total) and
+adds the six expert-LoRA parameters of the fused layout. Its parameter names carry no
+``lora_`` so PEFT never saves, loads or freezes them: kt-ft owns them.
+
+The module is pinned to the CPU: ``.to(cuda)`` / ``.cuda()`` on the whole model (as the HF
+Trainer does) leaves it where it is, so the routed experts never reach the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.base import LORA_NAMES, ExpertBackend, ExpertWeights, LoraTensors
+from ..lora.fused import init_expert_lora
+from .function import CPUExpertsFunction, ExpertRunner
+
+CPU = torch.device("cpu")
+
+
+class KTExperts(nn.Module):
+    """Routed experts of one MoE layer, computed on the CPU, with trainable expert LoRA.
+
+    forward(hidden_states [T, H], top_k_index [T, k] int64, top_k_weights [T, k]) -> [T, H]
+    in hidden_states' dtype and device.
+    """
+
+    def __init__(
+        self,
+        hf_experts: nn.Module,
+        layer_idx: int,
+        rank: int,
+        scaling: float,
+        backend: ExpertBackend,
+        chunk_size: int,
+        threads: int | None,
+        lora_dtype: torch.dtype = torch.float32,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        gate_up, down = hf_experts.gate_up_proj, hf_experts.down_proj
+        for p in (gate_up, down):
+            p.requires_grad_(False)
+            if p.device != CPU:  # only when a model was loaded onto a GPU first
+                p.data = p.data.to(CPU)
+        self.gate_up_proj = gate_up
+        self.down_proj = down
+        self.layer_idx = layer_idx
+        self.num_experts, two_i, self.hidden_dim = gate_up.shape
+        self.intermediate_dim = two_i // 2
+        self.rank = rank
+        self.scaling = scaling
+        for name, t in init_expert_lora(
+            self.num_experts, self.hidden_dim, self.intermediate_dim, rank, lora_dtype, generator
+        ).items():
+            setattr(self, name, nn.Parameter(t))
+        self.runner = ExpertRunner(
+            backend, ExpertWeights(gate_up.data, down.data), scaling, chunk_size, threads
+        )
+
+    def lora_tensors(self) -> LoraTensors:
+        return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return CPUExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self.runner, *self.lora_tensors())
+
+    def _apply(self, fn, recurse=True):
+        # Pinned to the CPU: device and dtype moves of the whole model skip the routed experts.
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer={self.layer_idx}, experts={self.num_experts}, hidden={self.hidden_dim}, "
+            f"intermediate={self.intermediate_dim}, rank={self.rank}, scaling={self.scaling:g}, "
+            f"backend={self.runner.backend.name}, threads={self.runner.threads}, device=cpu"
+        )

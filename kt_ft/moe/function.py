@@ -1,0 +1,106 @@
+"""The differentiable CPU expert operator.
+
+``CPUExpertsFunction`` moves the layer input to the CPU, runs the backend chunk by chunk
+(at most ``chunk_size`` tokens per call), and returns the output on the input's device.
+Its backward returns the gradients of hidden_states and of the routing weights (so a
+trainable router learns) and of the six expert-LoRA tensors, which autograd accumulates
+into their ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ..kernels.base import ExpertBackend, ExpertWeights, LoraTensors
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads (no-op when n is None or already set)."""
+    old = torch.get_num_threads()
+    if n is None or n == old:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+class ExpertRunner:
+    """One MoE layer's CPU expert state: backend, frozen weights, LoRA scaling, chunking, threads."""
+
+    def __init__(
+        self,
+        backend: ExpertBackend,
+        base: ExpertWeights,
+        scaling: float,
+        chunk_size: int,
+        threads: int | None,
+    ) -> None:
+        self.backend = backend
+        self.base = base
+        self.scaling = scaling
+        self.chunk_size = chunk_size
+        self.threads = threads
+        self.forward_calls = 0  # counted for tests (e.g. no recompute under checkpointing)
+        backend.prepare(base)
+
+    def forward(self, x, ids, weights, lora: LoraTensors, needs_grad: bool):
+        """x [T, H], ids [T, k], weights [T, k], all on the CPU -> (out [T, H] float32, ctxs)."""
+        self.forward_calls += 1
+        outs, ctxs = [], []
+        with torch_threads(self.threads):
+            for start in range(0, x.shape[0], self.chunk_size):
+                end = start + self.chunk_size
+                out, ctx = self.backend.forward(
+                    x[start:end], ids[start:end], weights[start:end], self.base, lora, self.scaling, needs_grad
+                )
+                outs.append(out)
+                ctxs.append(ctx)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs)), ctxs
+
+    def backward(self, ctxs, grad_out: torch.Tensor):
+        gxs, gws, lora_grads = [], [], None
+        with torch_threads(self.threads):
+            for i, ctx in enumerate(ctxs):
+                start = i * self.chunk_size
+                gx, gw, gl = self.backend.backward(ctx, grad_out[start : start + self.chunk_size])
+                gxs.append(gx)
+                gws.append(gw)
+                lora_grads = gl if lora_grads is None else LoraTensors(*(a.add_(b) for a, b in zip(lora_grads, gl)))
+        cat = (lambda ts: ts[0]) if len(gxs) == 1 else torch.cat
+        return cat(gxs), cat(gws), lora_grads
+
+
+class CPUExpertsFunction(torch.autograd.Function):
+    """apply(x [T, H], ids [T, k], weights [T, k], runner, *six LoRA tensors) -> [T, H] like x."""
+
+    @staticmethod
+    def forward(ctx, x, ids, weights, runner: ExpertRunner, *lora):
+        needs_grad = any(ctx.needs_input_grad)
+        cpu = torch.device("cpu")
+        out, saved = runner.forward(
+            x.detach().to(cpu), ids.to(cpu), weights.detach().to(cpu), LoraTensors(*lora), needs_grad
+        )
+        ctx.runner = runner
+        ctx.saved = saved
+        ctx.x_meta = (x.device, x.dtype)
+        ctx.w_meta = (weights.device, weights.dtype)
+        ctx.lora_dtypes = [t.dtype for t in lora]
+        return out.to(device=x.device, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.saved is None or any(c is None for c in ctx.saved):
+            raise RuntimeError("kt-ft: CPU expert backward called without saved forward state")
+        grad_x, grad_w, lora_grads = ctx.runner.backward(ctx.saved, grad_out.detach().to("cpu"))
+        ctx.saved = None  # free the activations as soon as they are used
+        dev, dt = ctx.x_meta
+        wdev, wdt = ctx.w_meta
+        lg = [g.to(d) for g, d in zip(lora_grads, ctx.lora_dtypes)]
+        return grad_x.to(device=dev, dtype=dt), None, grad_w.to(device=wdev, dtype=wdt), None, *lg

@@ -1,0 +1,71 @@
+"""Replace a model's routed-experts modules with KTExperts, following a placement plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import select_backend
+from ..log import get_logger
+from ..rules.plan import PlacementPlan
+from .experts import KTExperts
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class KTSummary:
+    layers: list[int]
+    num_experts: int
+    backend: str
+    backend_reason: str
+    threads: int | None
+    lora_params: int
+    expert_bytes: int  # frozen routed-expert weights held in CPU RAM
+    default_device: torch.device
+
+    def line(self) -> str:
+        gib = self.expert_bytes / 2**30
+        return (
+            f"{self.num_experts} experts x {len(self.layers)} MoE layers on cpu via backend {self.backend} "
+            f"({self.backend_reason}) with {self.threads} threads; the rest on {self.default_device}; "
+            f"expert-LoRA params {self.lora_params:,}; routed-expert weights {gib:.2f} GiB in RAM"
+        )
+
+
+def replace_routed_experts(
+    model: torch.nn.Module,
+    plan: PlacementPlan,
+    rank: int,
+    scaling: float,
+    chunk_size: int,
+    seed: int | None = None,
+) -> KTSummary:
+    """Swap every planned experts module for a KTExperts (same parameters, added expert LoRA).
+
+    ``seed`` makes the expert-LoRA init reproducible (one generator walks the layers in order).
+    """
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    backends: dict[str, tuple] = {}
+    lora_params = expert_bytes = 0
+    num_experts = 0
+    for place in plan.experts:
+        if place.backend not in backends:
+            backends[place.backend] = select_backend(place.backend)
+        proto, reason = backends[place.backend]
+        backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
+        parent_name, _, child = place.name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        hf = getattr(parent, child)
+        kt = KTExperts(hf, place.layer, rank, scaling, backend, chunk_size, place.threads, generator=gen)
+        setattr(parent, child, kt)
+        num_experts = kt.num_experts
+        lora_params += sum(t.numel() for t in kt.lora_tensors())
+        expert_bytes += sum(p.numel() * p.element_size() for p in (kt.gate_up_proj, kt.down_proj))
+    names = ", ".join(sorted({b.name for b, _ in backends.values()}))
+    reasons = "; ".join(sorted({r for _, r in backends.values()}))
+    threads = plan.experts[0].threads if plan.experts else None
+    return KTSummary(
+        [p.layer for p in plan.experts], num_experts, names, reasons, threads, lora_params, expert_bytes, plan.default_device
+    )

@@ -1,0 +1,13 @@
+import os
+
+import pytest
+import torch
+
+# Tests are small: two intra-op threads match CI's two cores and keep timings stable.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def rng():
+    """A fresh, seeded generator per test: inputs are random but the run is reproducible."""
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
