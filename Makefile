@@ -38,8 +38,9 @@ $(DEMO_DIR)/model/config.json:
 demo: install $(DEMO_DIR)/model/config.json
 	$(BIN)/llamafactory-cli train recipes/demo_tiny_qwen3moe.yaml
 
+# pytest exits 5 when it collected no tests: that is a failure here, not a pass.
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 lint: install
 	$(BIN)/ruff check kt_ft tests hatch_build.py

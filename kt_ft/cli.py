@@ -38,11 +38,15 @@ def _rules_check(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="kt-ft", description="kt-ft: MoE LoRA fine-tuning with experts on the CPU")
+    p = argparse.ArgumentParser(
+        prog="kt-ft", description="kt-ft: MoE LoRA fine-tuning with experts on the CPU"
+    )
     p.add_argument("--version", action="version", version=f"kt-ft {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("make-demo-model", help="write a tiny random MoE model, tokenizer and dataset (offline)")
+    demo = sub.add_parser(
+        "make-demo-model", help="write a tiny random MoE model, tokenizer and dataset (offline)"
+    )
     demo.add_argument("dir", help="output directory (gets model/ and data/)")
     demo.add_argument("--family", default="qwen3_moe", help="model family (transformers model_type)")
     demo.add_argument("--seed", type=int, default=0)

@@ -32,14 +32,26 @@ def demo_examples(n: int = 256, seed: int = 0) -> list[dict[str, str]]:
         kind = i % 3
         if kind == 0:
             a, b = rnd.randint(0, 20), rnd.randint(0, 20)
-            out.append({"instruction": f"Add {a} and {b}.", "input": "", "output": f"{a} plus {b} is {a + b}."})
+            out.append(
+                {"instruction": f"Add {a} and {b}.", "input": "", "output": f"{a} plus {b} is {a + b}."}
+            )
         elif kind == 1:
             w = rnd.choice(WORDS)
-            out.append({"instruction": "Reverse the word.", "input": w, "output": f"The reverse of {w} is {w[::-1]}."})
+            out.append(
+                {
+                    "instruction": "Reverse the word.",
+                    "input": w,
+                    "output": f"The reverse of {w} is {w[::-1]}.",
+                }
+            )
         else:
             ws = rnd.sample(WORDS, rnd.randint(1, 5))
             out.append(
-                {"instruction": "How many words are in the list?", "input": " ".join(ws), "output": f"There are {len(ws)} words."}
+                {
+                    "instruction": "How many words are in the list?",
+                    "input": " ".join(ws),
+                    "output": f"There are {len(ws)} words.",
+                }
             )
     return out
 
@@ -52,7 +64,9 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
@@ -66,7 +80,9 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
-def make_demo_model(out_dir: str | Path, family: str = "qwen3_moe", seed: int = 0, dtype: str = "float32") -> Path:
+def make_demo_model(
+    out_dir: str | Path, family: str = "qwen3_moe", seed: int = 0, dtype: str = "float32"
+) -> Path:
     """Write ``out_dir/model`` (config, weights, tokenizer) and ``out_dir/data`` (dataset + info)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -78,7 +94,9 @@ def make_demo_model(out_dir: str | Path, family: str = "qwen3_moe", seed: int = 
     data_dir.mkdir(parents=True, exist_ok=True)
     examples = demo_examples(seed=seed)
     (data_dir / f"{DATASET_NAME}.json").write_text(json.dumps(examples, indent=1))
-    (data_dir / "dataset_info.json").write_text(json.dumps({DATASET_NAME: {"file_name": f"{DATASET_NAME}.json"}}, indent=2))
+    (data_dir / "dataset_info.json").write_text(
+        json.dumps({DATASET_NAME: {"file_name": f"{DATASET_NAME}.json"}}, indent=2)
+    )
 
     texts = [f"{e['instruction']} {e['input']} {e['output']}" for e in examples] + ["user assistant system"]
     tokenizer = train_tokenizer(texts, vocab_size=400)

@@ -11,5 +11,7 @@ class KTConfigError(ValueError):
         if len(self.problems) == 1:
             msg = f"kt-ft: {self.problems[0]}"
         else:
-            msg = f"kt-ft found {len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
+            msg = f"kt-ft found {len(self.problems)} problems:\n" + "\n".join(
+                f"  - {p}" for p in self.problems
+            )
         super().__init__(msg)

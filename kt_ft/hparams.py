@@ -37,7 +37,12 @@ def physical_cpu_cores() -> int:
     for cpu in allowed:
         topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
-            cores.add((topo.joinpath("physical_package_id").read_text().strip(), topo.joinpath("core_id").read_text().strip()))
+            cores.add(
+                (
+                    topo.joinpath("physical_package_id").read_text().strip(),
+                    topo.joinpath("core_id").read_text().strip(),
+                )
+            )
         except OSError:
             return len(allowed)
     return max(1, len(cores))
@@ -77,7 +82,9 @@ class KTArguments:
     )
     cpu_infer: int | None = field(
         default=None,
-        metadata={"help": "kt-ft: CPU threads for the routed-expert operator. Default: physical cores minus a few."},
+        metadata={
+            "help": "kt-ft: CPU threads for the routed-expert operator. Default: physical cores minus a few."
+        },
     )
     chunk_size: int = field(
         default=4096,

@@ -11,3 +11,11 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def rng():
     """A fresh, seeded generator per test: inputs are random but the run is reproducible."""
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory):
+    """`kt-ft make-demo-model` output (tiny qwen3_moe, tokenizer, dataset), built once per run."""
+    from kt_ft.demo import make_demo_model
+
+    return make_demo_model(tmp_path_factory.mktemp("demo"))

@@ -59,7 +59,9 @@ def load_fused_expert_lora(model, directory: str | os.PathLike) -> int:
     """
     path = Path(directory) / FUSED_FILE
     if not path.is_file():
-        raise KTConfigError(f"{path}: missing (expected kt-ft's expert LoRA beside adapter_model.safetensors)")
+        raise KTConfigError(
+            f"{path}: missing (expected kt-ft's expert LoRA beside adapter_model.safetensors)"
+        )
     tensors = load_file(str(path))
     problems = []
     modules = kt_expert_modules(model)

@@ -60,7 +60,8 @@ class ReferenceBackend(ExpertBackend):
 
     def backward(self, ctx, grad_out):
         out, leaves = ctx
-        grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
+        # retain_graph: the outer graph may be backwarded more than once (gradcheck, retain_graph=True)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True, retain_graph=True)
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
         acc = out.dtype
         return grads[0].to(acc), grads[1].to(acc), LoraTensors(*(g.to(acc) for g in grads[2:]))

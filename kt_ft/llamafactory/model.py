@@ -70,7 +70,9 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
 
     _save_fused_with_adapter(model)
     gpu_bytes = sum(
-        p.numel() * p.element_size() for n, p in model.named_parameters() if not _is_routed_expert_param(n, model)
+        p.numel() * p.element_size()
+        for n, p in model.named_parameters()
+        if not _is_routed_expert_param(n, model)
     )
     logger.info(
         f"{summary.line()}; {rule_path.name} from {rule_path.parent}; non-expert weights {gpu_bytes / 2**30:.2f} GiB "

@@ -35,7 +35,10 @@ def fork_path_hidden(model_args: Any) -> Iterator[None]:
 def make_kt_model_arguments(model_arguments: type) -> type:
     """LLaMA-Factory's ModelArguments with KTArguments' fields and validation layered on top."""
     cls = dataclasses.make_dataclass(
-        model_arguments.__name__, [], bases=(KTArguments, model_arguments), namespace={"__doc__": model_arguments.__doc__}
+        model_arguments.__name__,
+        [],
+        bases=(KTArguments, model_arguments),
+        namespace={"__doc__": model_arguments.__doc__},
     )
     cls.__module__ = __name__
     cls.__qualname__ = model_arguments.__qualname__
@@ -48,11 +51,15 @@ def check_kt_run(model_args: Any, finetuning_args: Any) -> None:
     src = recipe_source()
     problems = []
     if finetuning_args.finetuning_type != "lora":
-        problems.append(f"{src}: finetuning_type={finetuning_args.finetuning_type!r} with use_kt: kt-ft trains LoRA; valid: lora")
+        problems.append(
+            f"{src}: finetuning_type={finetuning_args.finetuning_type!r} with use_kt: kt-ft trains LoRA; valid: lora"
+        )
     if finetuning_args.stage not in ("sft", "pt"):
         problems.append(f"{src}: stage={finetuning_args.stage!r} with use_kt: kt-ft supports stages sft, pt")
     if getattr(model_args, "quantization_bit", None) is not None:
-        problems.append(f"{src}: quantization_bit={model_args.quantization_bit!r} with use_kt: not supported (remove it)")
+        problems.append(
+            f"{src}: quantization_bit={model_args.quantization_bit!r} with use_kt: not supported (remove it)"
+        )
     if getattr(finetuning_args, "use_dora", False):
         problems.append(f"{src}: use_dora=true with use_kt: expert LoRA is plain LoRA; remove use_dora")
     if problems:

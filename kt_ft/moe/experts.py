@@ -67,7 +67,9 @@ class KTExperts(nn.Module):
         return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        return CPUExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self.runner, *self.lora_tensors())
+        return CPUExpertsFunction.apply(
+            hidden_states, top_k_index, top_k_weights, self.runner, *self.lora_tensors()
+        )
 
     def _apply(self, fn, recurse=True):
         # Pinned to the CPU: device and dtype moves of the whole model skip the routed experts.

@@ -58,7 +58,13 @@ class ExpertRunner:
             for start in range(0, x.shape[0], self.chunk_size):
                 end = start + self.chunk_size
                 out, ctx = self.backend.forward(
-                    x[start:end], ids[start:end], weights[start:end], self.base, lora, self.scaling, needs_grad
+                    x[start:end],
+                    ids[start:end],
+                    weights[start:end],
+                    self.base,
+                    lora,
+                    self.scaling,
+                    needs_grad,
                 )
                 outs.append(out)
                 ctxs.append(ctx)
@@ -72,7 +78,9 @@ class ExpertRunner:
                 gx, gw, gl = self.backend.backward(ctx, grad_out[start : start + self.chunk_size])
                 gxs.append(gx)
                 gws.append(gw)
-                lora_grads = gl if lora_grads is None else LoraTensors(*(a.add_(b) for a, b in zip(lora_grads, gl)))
+                lora_grads = (
+                    gl if lora_grads is None else LoraTensors(*(a.add_(b) for a, b in zip(lora_grads, gl)))
+                )
         cat = (lambda ts: ts[0]) if len(gxs) == 1 else torch.cat
         return cat(gxs), cat(gws), lora_grads
 
@@ -99,7 +107,6 @@ class CPUExpertsFunction(torch.autograd.Function):
         if ctx.saved is None or any(c is None for c in ctx.saved):
             raise RuntimeError("kt-ft: CPU expert backward called without saved forward state")
         grad_x, grad_w, lora_grads = ctx.runner.backward(ctx.saved, grad_out.detach().to("cpu"))
-        ctx.saved = None  # free the activations as soon as they are used
         dev, dt = ctx.x_meta
         wdev, wdt = ctx.w_meta
         lg = [g.to(d) for g, d in zip(lora_grads, ctx.lora_dtypes)]

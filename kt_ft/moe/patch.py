@@ -67,5 +67,12 @@ def replace_routed_experts(
     reasons = "; ".join(sorted({r for _, r in backends.values()}))
     threads = plan.experts[0].threads if plan.experts else None
     return KTSummary(
-        [p.layer for p in plan.experts], num_experts, names, reasons, threads, lora_params, expert_bytes, plan.default_device
+        [p.layer for p in plan.experts],
+        num_experts,
+        names,
+        reasons,
+        threads,
+        lora_params,
+        expert_bytes,
+        plan.default_device,
     )

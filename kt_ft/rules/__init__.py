@@ -8,4 +8,12 @@ from .builtin import builtin_rule_names, resolve_rule_path
 from .loader import Rule, RuleSet, load_rules
 from .plan import PlacementPlan, make_plan
 
-__all__ = ["PlacementPlan", "Rule", "RuleSet", "builtin_rule_names", "load_rules", "make_plan", "resolve_rule_path"]
+__all__ = [
+    "PlacementPlan",
+    "Rule",
+    "RuleSet",
+    "builtin_rule_names",
+    "load_rules",
+    "make_plan",
+    "resolve_rule_path",
+]

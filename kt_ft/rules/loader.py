@@ -99,7 +99,9 @@ class _Reader:
 
     def mapping(self, node: yaml.Node, path: str, valid: tuple[str, ...]) -> dict[str, yaml.Node]:
         if not isinstance(node, yaml.MappingNode):
-            self.problem(node, path, f"expected a mapping with keys {', '.join(valid)}, got {self.value(node)!r}")
+            self.problem(
+                node, path, f"expected a mapping with keys {', '.join(valid)}, got {self.value(node)!r}"
+            )
             return {}
         out = {}
         for knode, vnode in node.value:
@@ -159,7 +161,7 @@ def load_rules(path: str | Path) -> RuleSet:
             r.problem(item, f"{path_i}.match", "missing; a rule needs match.name and/or match.class")
         else:
             m = r.mapping(mnode, f"{path_i}.match", MATCH_KEYS)
-            if not m and isinstance(mnode, yaml.MappingNode):
+            if isinstance(mnode, yaml.MappingNode) and not mnode.value:
                 r.problem(mnode, f"{path_i}.match", "empty; give name (regex) and/or class")
             if "name" in m:
                 pat = r.value(m["name"])
@@ -170,7 +172,9 @@ def load_rules(path: str | Path) -> RuleSet:
             if "class" in m:
                 cls = r.value(m["class"])
                 if not isinstance(cls, str) or not cls:
-                    r.problem(m["class"], f"{path_i}.match.class", f"{cls!r} is not a class name or dotted path")
+                    r.problem(
+                        m["class"], f"{path_i}.match.class", f"{cls!r} is not a class name or dotted path"
+                    )
                     cls = None
         anode = keys.get("replace", keys.get("place"))
         akey = "replace" if "replace" in keys else "place"
@@ -184,12 +188,16 @@ def load_rules(path: str | Path) -> RuleSet:
                 backend = r.value(a["backend"])
                 if backend not in KT_BACKENDS:
                     r.problem(
-                        a["backend"], f"{path_i}.{akey}.backend", f"{backend!r}; valid choices: {', '.join(KT_BACKENDS)}"
+                        a["backend"],
+                        f"{path_i}.{akey}.backend",
+                        f"{backend!r}; valid choices: {', '.join(KT_BACKENDS)}",
                     )
             if "threads" in a:
                 threads = r.value(a["threads"])
                 if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-                    r.problem(a["threads"], f"{path_i}.{akey}.threads", f"{threads!r}; expected a positive integer")
+                    r.problem(
+                        a["threads"], f"{path_i}.{akey}.threads", f"{threads!r}; expected a positive integer"
+                    )
                     threads = None
         recursive = True
         if "recursive" in keys:

@@ -65,7 +65,9 @@ def _assign(model, rules: RuleSet) -> dict[str, Rule | None]:
     return assigned
 
 
-def make_plan(model, rules: RuleSet, family: MoEFamily, kt_backend: str, cpu_infer: int | None) -> PlacementPlan:
+def make_plan(
+    model, rules: RuleSet, family: MoEFamily, kt_backend: str, cpu_infer: int | None
+) -> PlacementPlan:
     assigned = _assign(model, rules)
     problems = []
     hits = {id(rule): 0 for rule in rules.rules}
@@ -107,7 +109,9 @@ def make_plan(model, rules: RuleSet, family: MoEFamily, kt_backend: str, cpu_inf
             )
             reported.add(id(rule))
     if not experts and not problems:
-        problems.append(f"{rules.source}: no routed-experts module ({family.experts_class}) found in the model")
+        problems.append(
+            f"{rules.source}: no routed-experts module ({family.experts_class}) found in the model"
+        )
     if problems:
         raise KTConfigError(problems)
     return PlacementPlan(rules.source, experts, default_device, notes)

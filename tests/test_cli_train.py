@@ -1,0 +1,87 @@
+"""End to end: `llamafactory-cli train` on the demo recipe, as a user runs it (a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+pytest.importorskip("llamafactory")
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "demo_tiny_qwen3moe.yaml"
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "out"
+    cli = Path(sys.executable).with_name("llamafactory-cli")
+    overrides = [
+        f"model_name_or_path={demo_assets / 'model'}",
+        f"dataset_dir={demo_assets / 'data'}",
+        f"output_dir={out}",
+    ]
+    proc = subprocess.run(
+        [str(cli), "train", str(RECIPE), *overrides],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        timeout=600,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    return out, log
+
+
+def fused_tensors(path: Path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.slow
+def test_checkpoints_hold_split_artifacts(demo_run):
+    out, _ = demo_run
+    E, H, I, r = 8, 64, 32, 8
+    shapes = {"gate_lora_a": (E, r, H), "gate_lora_b": (E, I, r), "up_lora_a": (E, r, H), "up_lora_b": (E, I, r),
+              "down_lora_a": (E, r, I), "down_lora_b": (E, H, r)}  # fmt: skip
+    for d in (out / "checkpoint-10", out / "checkpoint-20", out):
+        for name in ("adapter_config.json", "adapter_model.safetensors", "fused_expert_lora.safetensors"):
+            assert (d / name).is_file(), d / name
+        fused = fused_tensors(d / "fused_expert_lora.safetensors")
+        assert set(fused) == {f"layers.{L}.experts.{n}" for L in (0, 1) for n in shapes}
+        for key, t in fused.items():
+            assert t.dtype.is_floating_point and str(t.dtype) == "torch.bfloat16", key
+            assert tuple(t.shape) == shapes[key.split(".")[-1]], key
+        with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+            keys = list(f.keys())
+        assert keys and all("lora_" in k for k in keys)
+        assert not any(".experts." in k for k in keys), "expert LoRA leaked into the PEFT file"
+    final = fused_tensors(out / "fused_expert_lora.safetensors")
+    for key, t in final.items():
+        if key.endswith("_b"):
+            assert t.abs().max() > 0, f"{key} is still zero: expert LoRA did not train"
+
+
+@pytest.mark.slow
+def test_loss_goes_down_and_logs_say_what_went_where(demo_run):
+    out, log = demo_run
+    losses = [
+        json.loads(line)["loss"]
+        for line in (out / "trainer_log.jsonl").read_text().splitlines()
+        if '"loss"' in line
+    ]
+    assert len(losses) >= 5 and losses[-1] < losses[0], losses
+    assert re.search(
+        r"\[kt-ft\|INFO\] 8 experts x 2 MoE layers on cpu via backend torch .* with 2 threads", log
+    )
+    expert_lora = 2 * 8 * (8 * 64 * 2 + 32 * 8 * 2 + 8 * 32 + 64 * 8)
+    assert f"expert-LoRA params {expert_lora:,}" in log
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        peft_params = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys())
+    assert f"trainable params: {peft_params + expert_lora:,}" in log
