@@ -22,14 +22,11 @@ install: $(CACHED_VENV)/.stack-ok
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	@$(BIN)/python -c "import kt_ft, sys; print('kt-ft', kt_ft.__version__, 'installed in', sys.prefix)"
 
-$(CACHED_VENV)/.stack-ok: requirements/stack.txt
-	rm -rf $(CACHED_VENV).tmp
-	$(PYTHON) -m venv $(CACHED_VENV).tmp
-	$(CACHED_VENV).tmp/bin/python -m pip install -q --upgrade pip
-	$(CACHED_VENV).tmp/bin/python -m pip install -q -r requirements/stack.txt
-	rm -rf $(CACHED_VENV) && mv $(CACHED_VENV).tmp $(CACHED_VENV)
-	# a venv's scripts hard-code its path: rebuild them for the final location
-	$(CACHED_VENV)/bin/python -m pip install -q --force-reinstall --no-deps -r requirements/stack.txt
+# Built in place; the .stack-ok stamp is written last, so an interrupted build is redone.
+$(CACHED_VENV)/.stack-ok:  # no prerequisite: the path holds the hash of requirements/stack.txt
+	rm -rf $(CACHED_VENV)
+	$(PYTHON) -m venv $(CACHED_VENV)
+	$(CACHED_VENV)/bin/python -m pip install -q -r requirements/stack.txt
 	touch $@
 
 $(DEMO_DIR)/model/config.json:

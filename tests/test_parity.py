@@ -113,6 +113,10 @@ def test_kt_training_matches_plain_peft(backend, chunk_size, gc):
 
     kt_losses = train(kt_model, batches, 5, gc)
     ref_losses = train(ref_model, batches, 5, gc)
+    runners = [m.runner for m in kt_model.modules() if isinstance(m, KTExperts)]
+    # one CPU expert forward per layer per step, also under checkpointing (the recompute reuses it)
+    assert [r.forward_calls for r in runners] == [5] * len(runners)
+    assert [r.stash_hits for r in runners] == [5 if gc else 0] * len(runners)
     assert kt_losses[-1] < kt_losses[0], "training did not lower the loss"
     torch.testing.assert_close(torch.tensor(kt_losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     kt_lora, ref_lora = expert_lora(kt_model), expert_lora(ref_model)

@@ -67,9 +67,11 @@ class KTExperts(nn.Module):
         return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        return CPUExpertsFunction.apply(
-            hidden_states, top_k_index, top_k_weights, self.runner, *self.lora_tensors()
-        )
+        lora = self.lora_tensors()
+        if not torch.is_grad_enabled() and self.training and any(p.requires_grad for p in lora):
+            # first pass of a reentrant-checkpointed layer: keep the result for its recompute
+            return self.runner.forward_and_stash(hidden_states, top_k_index, top_k_weights, lora)
+        return CPUExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self.runner, *lora)
 
     def _apply(self, fn, recurse=True):
         # Pinned to the CPU: device and dtype moves of the whole model skip the routed experts.
