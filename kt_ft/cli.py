@@ -35,6 +35,17 @@ def _rules_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import PRESETS, run
+
+    if args.preset not in PRESETS:
+        raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    backends = args.backends.split(",") if args.backends else None
+    run(args.preset, tokens, backends, args.threads, args.repeat, args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -53,6 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     demo.set_defaults(func=_make_demo_model)
 
+    bench = sub.add_parser(
+        "bench", help="benchmark the CPU expert op (every available backend) and GEMM ceilings"
+    )
+    bench.add_argument("--preset", default="tiny", help="tiny | qwen3-30b-a3b | deepseek-v2-lite")
+    bench.add_argument("--tokens", default="512,2048,4096", help="comma-separated token counts per call")
+    bench.add_argument("--backends", default=None, help="comma-separated backends (default: all available)")
+    bench.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    bench.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is kept)")
+    bench.add_argument("--json", default=None, help="also write the records to this JSON file")
+    bench.set_defaults(func=_bench)
+
     rules = sub.add_parser("rules", help="optimize rules").add_subparsers(dest="rules_command", required=True)
     rl = rules.add_parser("list", help="list built-in rules")
     rl.set_defaults(func=_rules_list)
@@ -64,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) == "bench" and args.threads is None:
+        from .hparams import physical_cpu_cores
+
+        args.threads = physical_cpu_cores()
     try:
         return args.func(args)
     except KTConfigError as e:

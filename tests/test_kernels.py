@@ -18,7 +18,8 @@ from kt_ft.kernels.base import ExpertWeights
 from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
-FAST = [n for n in BACKENDS if n != "reference" and BACKENDS[n].unavailable_reason() is None]
+# Portable fast backends; kt-kernel (bf16 only, AMX tile shapes) has its own test file.
+FAST = ["torch"]
 
 
 def run_backend(name, base, lora, x, ids, w, gy, scaling):

@@ -72,12 +72,15 @@ class ExpertBackend(ABC):
     name: ClassVar[str]
 
     @classmethod
-    def unavailable_reason(cls) -> str | None:
-        """None when this backend can run here, else why not (shown to the user)."""
+    def unavailable_reason(cls, dtype: torch.dtype | None = None) -> str | None:
+        """None when this backend can run here (for expert weights of ``dtype``), else why not."""
         return None
 
-    def prepare(self, weights: ExpertWeights) -> None:  # noqa: B027 - optional hook
-        """Called once per layer before the first call (e.g. to repack weights)."""
+    def prepare(self, weights: ExpertWeights, threads: int | None = None, max_tokens: int = 4096) -> None:  # noqa: B027
+        """Called once per layer before the first call (e.g. to repack weights).
+
+        ``threads``: CPU threads to use; ``max_tokens``: the most tokens one call will get.
+        """
 
     def lora_updated(self) -> None:  # noqa: B027 - optional hook
         """Called after the optimizer changed the LoRA tensors."""

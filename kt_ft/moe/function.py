@@ -55,7 +55,7 @@ class ExpertRunner:
         self.forward_calls = 0  # backend forwards run (a test checks checkpointing adds none)
         self.stash_hits = 0
         self._stash: tuple | None = None
-        backend.prepare(base)
+        backend.prepare(base, threads, chunk_size)
 
     def forward_and_stash(self, x, ids, weights, lora: LoraTensors) -> torch.Tensor:
         """First pass of a reentrant-checkpointed layer (grad disabled, training).

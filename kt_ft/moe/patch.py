@@ -51,13 +51,13 @@ def replace_routed_experts(
     lora_params = expert_bytes = 0
     num_experts = 0
     for place in plan.experts:
-        if place.backend not in backends:
-            backends[place.backend] = select_backend(place.backend)
-        proto, reason = backends[place.backend]
-        backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
         parent_name, _, child = place.name.rpartition(".")
         parent = model.get_submodule(parent_name)
         hf = getattr(parent, child)
+        if place.backend not in backends:
+            backends[place.backend] = select_backend(place.backend, hf.gate_up_proj.dtype)
+        proto, reason = backends[place.backend]
+        backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
         kt = KTExperts(hf, place.layer, rank, scaling, backend, chunk_size, place.threads, generator=gen)
         setattr(parent, child, kt)
         num_experts = kt.num_experts

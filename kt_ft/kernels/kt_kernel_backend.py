@@ -1,0 +1,165 @@
+"""kt-kernel backend: kt-kernel's AMX/AVX512-BF16 SFT MoE kernel (``AMXBF16_SFT``).
+
+The kernel is stateful: one ``KTMoEWrapper`` per layer holds its own repacked copy of the
+layer's weights and the activations of the last forward with ``save_for_backward``. So:
+
+* the wrapper is built on the first call (it needs top-k and the LoRA rank), from the
+  fused HF weights split into gate/up/down;
+* the six LoRA tensors are mirrored into bf16 buffers the kernel points at; they are
+  refreshed whenever the fp32 master parameters change (tracked by their version counter);
+* a context remembers which saved forward it belongs to; if another saved forward of the
+  layer ran since (more than one chunk, or a forward without its backward), the backward
+  first re-runs that chunk's forward. The runner walks chunks backwards, so in the common
+  case (one chunk) nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import KTConfigError
+from .base import ExpertBackend, ExpertWeights, LoraTensors
+
+BF16 = torch.bfloat16
+_LAYER_IDS = itertools.count()
+
+
+def kt_kernel_unavailable_reason() -> str | None:
+    try:
+        import kt_kernel
+    except ImportError as e:
+        return f"the kt-kernel package is not importable ({e}); pip install 'kt-ft[kt-kernel]'"
+    variant = getattr(kt_kernel, "__cpu_variant__", "unknown")
+    if variant not in ("amx", "avx512_bf16"):
+        return (
+            f"kt-kernel loaded its '{variant}' build, which has no BF16 training kernel "
+            "(AMXBF16_SFT needs a CPU with AMX or AVX512-BF16)"
+        )
+    return None
+
+
+@dataclass
+class _Ctx:
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    token: int
+
+
+class KTKernelBackend(ExpertBackend):
+    name = "kt-kernel"
+
+    def __init__(self) -> None:
+        self._wrapper = None
+        self._key = None
+        self._lora_bf16: LoraTensors | None = None
+        self._grads: LoraTensors | None = None
+        self._lora_seen: tuple | None = None
+        self._live_token = 0
+        self._threads = 1
+        self._max_tokens = 4096
+        self._base: ExpertWeights | None = None
+
+    @classmethod
+    def unavailable_reason(cls, dtype: torch.dtype | None = None) -> str | None:
+        if dtype is not None and dtype != BF16:
+            return f"it needs bf16 expert weights, the model's are {dtype} (bf16: true in the recipe)"
+        return kt_kernel_unavailable_reason()
+
+    def prepare(self, base: ExpertWeights, threads: int | None = None, max_tokens: int = 4096) -> None:
+        if base.gate_up.dtype != BF16:
+            raise KTConfigError(
+                f"kt_backend='kt-kernel' needs bf16 expert weights, the model's are {base.gate_up.dtype} "
+                "(set bf16: true in the recipe, or use kt_backend: torch)"
+            )
+        self._base = base
+        self._threads = threads or torch.get_num_threads()
+        self._max_tokens = max_tokens
+
+    def _ensure_wrapper(self, k: int, lora: LoraTensors, scaling: float) -> None:
+        rank = lora.gate_a.shape[1]
+        key = (k, rank, scaling)
+        if self._wrapper is not None:
+            if key != self._key:
+                raise RuntimeError(
+                    f"kt-kernel wrapper built for (top_k, rank, scaling)={self._key}, called with {key}"
+                )
+            return
+        from kt_kernel import KTMoEWrapper
+
+        base = self._base
+        e, inter, hidden = base.num_experts, base.intermediate, base.hidden
+        wrapper = KTMoEWrapper(
+            layer_idx=next(_LAYER_IDS),
+            num_experts=e,
+            num_experts_per_tok=k,
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            num_gpu_experts=0,
+            cpuinfer_threads=self._threads,
+            threadpool_count=1,
+            weight_path="",
+            chunked_prefill_size=self._max_tokens,
+            mode="sft",
+            method="AMXBF16_SFT",
+            lora_rank=rank,
+            lora_alpha=scaling * rank,  # the kernel scales by lora_alpha / lora_rank
+        )
+        wrapper.load_weights_from_tensors(
+            base.gate_up[:, :inter], base.gate_up[:, inter:], base.down, torch.arange(e, dtype=torch.int64)
+        )
+        self._lora_bf16 = LoraTensors(*(torch.empty(t.shape, dtype=BF16) for t in lora))
+        self._grads = LoraTensors(*(torch.zeros(t.shape, dtype=BF16) for t in lora))
+        with torch.no_grad():
+            for dst, src in zip(self._lora_bf16, lora):
+                dst.copy_(src)
+        wrapper.init_lora_weights(*self._lora_bf16, *self._grads)
+        self._lora_seen = self._lora_state(lora)
+        self._wrapper, self._key = wrapper, key
+
+    @staticmethod
+    def _lora_state(lora: LoraTensors) -> tuple:
+        return tuple((t.data_ptr(), t._version) for t in lora)
+
+    def _sync_lora(self, lora: LoraTensors) -> None:
+        state = self._lora_state(lora)
+        if state != self._lora_seen:
+            with torch.no_grad():
+                for dst, src in zip(self._lora_bf16, lora):
+                    dst.copy_(src)
+            self._wrapper.update_lora_weights()
+            self._lora_seen = state
+
+    def _forward(self, x, ids, weights, save: bool) -> torch.Tensor:
+        y = self._wrapper.forward(
+            x.to(BF16).contiguous(),
+            ids.to(torch.int64).contiguous(),
+            weights.float().contiguous(),
+            save_for_backward=save,
+        )
+        if save:
+            self._live_token += 1
+        return y
+
+    def forward(self, x, ids, weights, base, lora, scaling, needs_grad):
+        self._ensure_wrapper(ids.shape[1], lora, scaling)
+        self._sync_lora(lora)
+        y = self._forward(x, ids, weights, needs_grad)
+        if not needs_grad:
+            return y.float(), None
+        return y.float(), _Ctx(x, ids, weights, self._live_token)
+
+    def backward(self, ctx: _Ctx, grad_out: torch.Tensor):
+        if ctx.token != self._live_token:  # another saved forward ran since: redo this chunk's
+            self._forward(ctx.x, ctx.ids, ctx.weights, True)
+        for g in self._grads:
+            g.zero_()
+        grad_x, grad_w = self._wrapper.backward(grad_out.to(BF16).contiguous())
+        return (
+            grad_x.float(),
+            grad_w.float().view(ctx.weights.shape),
+            LoraTensors(*(g.float() for g in self._grads)),
+        )

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (see README "GPU machine"): environment facts, the tests that
+# run there (GPU parity, kt-kernel parity, kernels, rules, checkpoints; llamafactory is absent
+# there), then the CPU expert op benchmark. Everything lands in $OUT.
+#   carry: .ktk (kt_kernel/ with its amx .so + kt_kernel.libs/, unpacked from the cp312 wheel), .whl (gguf)
+set -uo pipefail
+OUT=${OUT:-/tmp/kt-ft-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/.ktk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (gguf, which kt_kernel imports)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+THREADS=${THREADS:-$(nproc)}
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\)|Core\(s\)|Socket"
+  grep -o -w "amx_bf16\|avx512_bf16\|avx512f" /proc/cpuinfo | sort | uniq -c
+  python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
+  python3 -c "import kt_kernel; print('kt_kernel variant', kt_kernel.__cpu_variant__)"
+} 2>&1 | tee "$OUT/env.txt"
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
+  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py \
+  2>&1 | tee "$OUT/pytest.log"
+timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --tokens "${TOKENS:-512,2048,4096}" \
+  --threads "$THREADS" --repeat 2 --json "$OUT/bench.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|case/s\]$" | tee "$OUT/bench.log"

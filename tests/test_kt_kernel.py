@@ -1,0 +1,54 @@
+"""kt-kernel backend vs the float64 reference (runs where kt-kernel's AMX/AVX512-BF16 build loads:
+the GPU machine's Xeon; skipped elsewhere with the reason).
+
+Shapes are AMX-tile friendly (H 256, I 128). bf16 tolerance as in test_kernels: 6e-2 of the
+truth's max per tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_inputs import make_problem
+from test_kernels import assert_close, run_backend
+
+from kt_ft.kernels import BACKENDS, LoraTensors
+from kt_ft.kernels.base import ExpertWeights
+from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
+
+REASON = BACKENDS["kt-kernel"].unavailable_reason(torch.bfloat16)
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"kt-kernel backend unavailable: {REASON}")
+
+
+def truth_of(base, lora, x, ids, w, gy, scaling):
+    up = [t.double() for t in (base.gate_up, base.down, *lora, x, w, gy)]
+    return run_backend(
+        "reference", ExpertWeights(*up[:2]), LoraTensors(*up[2:8]), up[8], ids, up[9], up[10], scaling
+    )
+
+
+@pytest.mark.parametrize("T", [1, 37, 300])
+def test_kt_kernel_matches_reference(T, rng):
+    base, lora, x, ids, w, gy = make_problem(T, 8, 2, 256, 128, 8, torch.bfloat16, rng)
+    got = run_backend("kt-kernel", base, lora, x, ids, w, gy, 2.0)
+    assert_close(truth_of(base, lora, x, ids, w, gy, 2.0), got, 6e-2)
+
+
+def test_kt_kernel_chunks_and_lora_updates(rng):
+    """Three chunks (the backend re-runs forwards it no longer holds) and a LoRA change between calls."""
+    base, lora, x, ids, w, gy = make_problem(50, 8, 2, 256, 128, 8, torch.bfloat16, rng)
+    params = [t.float().clone().requires_grad_() for t in lora]
+    runner = ExpertRunner(BACKENDS["kt-kernel"](), base, 2.0, chunk_size=20, threads=4)
+    for _ in range(2):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = CPUExpertsFunction.apply(xx, ids, ww, runner, *params)
+        out.backward(gy)
+        cur = LoraTensors(*(p.detach().to(torch.bfloat16) for p in params))
+        truth = truth_of(base, cur, x, ids, w, gy, 2.0)
+        got = {"out": out.float(), "grad_x": xx.grad.float(), "grad_weights": ww.grad.float()}
+        got.update({f"grad_{n}": p.grad for n, p in zip(lora._fields, params)})
+        assert_close(truth, got, 6e-2)
+        with torch.no_grad():  # an optimizer step: the kernel must see the new LoRA next call
+            for p in params:
+                p.add_(torch.randn_like(p) * 0.05)
+                p.grad = None
