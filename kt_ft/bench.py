@@ -157,7 +157,10 @@ def run(
         elif n == "reference" and t * p.top_k > 8192 * 4 and preset != "tiny":
             continue  # the plain loop at this size takes minutes and adds nothing
         else:
-            records.append(bench_op(p, layer, n, t, threads, repeat, gen))
+            try:
+                records.append(bench_op(p, layer, n, t, threads, repeat, gen))
+            except Exception as e:  # one broken backend must not hide the others' figures
+                print(f"backend {n} failed at {t} tokens: {type(e).__name__}: {e}")
     print(
         f"\n{preset}: H {p.hidden}, I {p.inter}, E {p.experts}, top-{p.top_k}, one layer, {threads} threads, fwd+bwd"
     )

@@ -98,6 +98,7 @@ class KTKernelBackend(ExpertBackend):
             num_experts_per_tok=k,
             hidden_size=hidden,
             moe_intermediate_size=inter,
+            gpu_experts_mask=None,  # inference-only; SFT mode takes num_gpu_experts
             num_gpu_experts=0,
             cpuinfer_threads=self._threads,
             threadpool_count=1,
