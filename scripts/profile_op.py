@@ -44,4 +44,4 @@ tb = step()
 print(f"{a.backend} {a.tokens} tokens: fwd+bwd {1e3 * (time.perf_counter() - t0):.1f} ms (bwd {1e3 * tb:.1f} ms)")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
     step()
-print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=30, max_shapes_column_width=60))
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))

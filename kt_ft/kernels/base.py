@@ -63,7 +63,7 @@ class ExpertWeights:
 class ExpertBackend(ABC):
     """Computes one chunk of routed-expert forward and backward on the CPU.
 
-    ``forward`` returns the output [T, H] (accum_dtype, summed over the k experts) and an opaque
+    ``forward`` returns the output [T, H] (compute or accum_dtype, summed over the k experts) and an opaque
     context; ``backward`` takes that context and grad_out [T, H] and returns
     ``(grad_x [T, H], grad_weights [T, k], LoraTensors of grads)``, all in accum_dtype.
     A backend holds no per-call state: the context carries everything the backward needs.

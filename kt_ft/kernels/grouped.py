@@ -1,13 +1,18 @@
-"""Portable fast backend: tokens grouped by expert once per call, hand-written backward.
+"""Portable fast backend: (token, slot) pairs sorted by expert once per call, dense GEMMs per
+expert on contiguous slices, hand-written backward.
 
-The (token, slot) pairs are sorted by expert once; each expert then runs dense GEMMs on a
-contiguous slice, writing into buffers allocated once per call (no per-expert allocation).
-Elementwise work (activation, its derivative, routing-weight products) runs once over all
-pairs. The backward reuses the forward's gate/up pre-activations and LoRA projections and
-never materialises B @ A; the routing-weight gradient comes from the products the input
-gradient needs anyway (dY.d = (dY Wd).h + s (dY Bd).(h Ad^T)), so `d` is not kept.
-Compute is in the base weights' dtype (bf16 or fp32; GEMMs accumulate in fp32), the
-activation and every sum over the k experts in float32.
+Layout choices (measured on a 16-core Sapphire-Rapids-class Xeon, see README "Performance"):
+* every product writes a contiguous slice of a buffer allocated once per call (no per-expert
+  allocation, no GEMM into a strided view); LoRA corrections go to their own buffer and are
+  added with one vectorised op;
+* gate and up LoRA run as one product each way: A_gu = [Ag; Au] [2r, H] and the
+  block-diagonal B_gu = diag(Bg, Bu) [2I, 2r], built once per call;
+* elementwise work runs once over all pairs in the compute dtype (``silu_backward`` for the
+  gate derivative), as autograd would;
+* the sum over the k experts of a token is a gather back to token order and one batched
+  product (bf16 inputs, fp32 accumulation) instead of a scatter-add;
+* the routing-weight gradient comes from products the input gradient needs anyway:
+  dY.d = (dY Wd).h + s (dY Bd).(h Ad^T), so the expert outputs are not kept.
 """
 
 from __future__ import annotations
@@ -23,17 +28,18 @@ from .base import ExpertBackend, ExpertWeights, LoraTensors, accum_dtype
 @dataclass
 class _Ctx:
     base: ExpertWeights
-    x: torch.Tensor  # [T, H] compute dtype
-    tok: torch.Tensor  # [N] token of each sorted pair, N = T*k
-    order: torch.Tensor  # [N] flat (t*k + slot) index of each sorted pair
+    xs: torch.Tensor  # [N, H] inputs of the sorted pairs, compute dtype (N = T*k)
+    tok: torch.Tensor  # [N] token of each sorted pair
+    inv: torch.Tensor  # [N] sorted position of flat pair t*k + slot
     counts: list[int]  # pairs per expert
-    ws: torch.Tensor  # [N] routing weight of each sorted pair, accumulation dtype
-    gu: torch.Tensor  # [N, 2I] gate/up pre-activations
-    p: torch.Tensor  # [N, 2r] x @ [Ag; Au]^T
+    ws: torch.Tensor  # [N, 1] routing weight of each sorted pair, compute dtype
+    gu: torch.Tensor  # [N, 2I] gate/up pre-activations (LoRA included)
+    p: torch.Tensor  # [N, 2r] xs @ A_gu^T
     pd: torch.Tensor  # [N, r] h @ Ad^T
     lora: LoraTensors  # compute-dtype copies
-    a_gu: torch.Tensor  # [E, 2r, H] cat(gate_a, up_a)
-    k: int
+    a_gu: torch.Tensor  # [E, 2r, H]
+    b_gu: torch.Tensor  # [E, 2I, 2r] block-diagonal
+    shape: tuple[int, int]  # (T, k)
     scaling: float
 
 
@@ -45,112 +51,129 @@ def _expert_slices(counts: list[int]):
         off += n
 
 
+def _block_diag_b(gate_b: torch.Tensor, up_b: torch.Tensor) -> torch.Tensor:
+    """[E, I, r] x2 -> [E, 2I, 2r] with gate_b top-left and up_b bottom-right."""
+    e, inter, rank = gate_b.shape
+    out = gate_b.new_zeros(e, 2 * inter, 2 * rank)
+    out[:, :inter, :rank] = gate_b
+    out[:, inter:, rank:] = up_b
+    return out
+
+
 class GroupedTorchBackend(ExpertBackend):
     name = "torch"
 
     def forward(self, x, ids, weights, base: ExpertWeights, lora: LoraTensors, scaling, needs_grad):
         dt = base.gate_up.dtype
-        acc = accum_dtype(dt)
-        num_experts, two_i, _ = base.gate_up.shape
+        num_experts, two_i, hidden = base.gate_up.shape
         inter = two_i // 2
         rank = lora.gate_a.shape[1]
         t, k = ids.shape
-        x = x.to(dt).contiguous()
-        lc = LoraTensors(*(w.to(dt) for w in lora))
-        a_gu = torch.cat([lc.gate_a, lc.up_a], dim=1)  # [E, 2r, H]
+        s = scaling
+        lc = LoraTensors(*(w.detach().to(dt) for w in lora))
+        a_gu = torch.cat([lc.gate_a, lc.up_a], dim=1)
+        b_gu = _block_diag_b(lc.gate_b, lc.up_b)
 
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel())
         counts = torch.bincount(flat, minlength=num_experts).tolist()
         tok = torch.div(order, k, rounding_mode="floor")
-        ws = weights.reshape(-1).index_select(0, order).to(acc)
-        xs = x.index_select(0, tok)  # [N, H]
+        xs = x.to(dt).index_select(0, tok)  # [N, H]
         n_pairs = xs.shape[0]
 
         gu = torch.empty(n_pairs, two_i, dtype=dt)
         p = torch.empty(n_pairs, 2 * rank, dtype=dt)
+        lo = torch.empty(n_pairs, two_i, dtype=dt)
         for e, sl in _expert_slices(counts):
-            xe = xs[sl]
-            torch.mm(xe, base.gate_up[e].t(), out=gu[sl])
-            torch.mm(xe, a_gu[e].t(), out=p[sl])
-            gu[sl, :inter].addmm_(p[sl, :rank], lc.gate_b[e].t(), alpha=scaling)
-            gu[sl, inter:].addmm_(p[sl, rank:], lc.up_b[e].t(), alpha=scaling)
+            torch.mm(xs[sl], base.gate_up[e].t(), out=gu[sl])
+            torch.mm(xs[sl], a_gu[e].t(), out=p[sl])
+            torch.mm(p[sl], b_gu[e].t(), out=lo[sl])
+        gu.add_(lo, alpha=s)
+        del lo
 
-        h = (F.silu(gu[:, :inter].to(acc)) * gu[:, inter:].to(acc)).to(dt)  # [N, I]
-        d = torch.empty(n_pairs, base.hidden, dtype=dt)
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]  # [N, I]
+        d = torch.empty(n_pairs, hidden, dtype=dt)
         pd = torch.empty(n_pairs, rank, dtype=dt)
+        lo = torch.empty(n_pairs, hidden, dtype=dt)
         for e, sl in _expert_slices(counts):
-            he = h[sl]
-            torch.mm(he, base.down[e].t(), out=d[sl])
-            torch.mm(he, lc.down_a[e].t(), out=pd[sl])
-            d[sl].addmm_(pd[sl], lc.down_b[e].t(), alpha=scaling)
+            torch.mm(h[sl], base.down[e].t(), out=d[sl])
+            torch.mm(h[sl], lc.down_a[e].t(), out=pd[sl])
+            torch.mm(pd[sl], lc.down_b[e].t(), out=lo[sl])
+        d.add_(lo, alpha=s)
+        del lo, h
 
-        out = torch.zeros(t, base.hidden, dtype=acc)
-        out.index_add_(0, tok, d.to(acc).mul_(ws[:, None]))
+        # out_t = sum_k w_tk d_tk: back to token order, then [T,1,k] @ [T,k,H] (fp32 accumulation)
+        d_tok = d.index_select(0, inv).view(t, k, hidden)
+        out = torch.bmm(weights.to(dt).view(t, 1, k), d_tok).view(t, hidden)
         if not needs_grad:
             return out, None
-        return out, _Ctx(base, x, tok, order, counts, ws, gu, p, pd, lc, a_gu, k, scaling)
+        ws = weights.reshape(-1).index_select(0, order).to(dt)[:, None]
+        return out, _Ctx(base, xs, tok, inv, counts, ws, gu, p, pd, lc, a_gu, b_gu, (t, k), s)
 
     def backward(self, ctx: _Ctx, grad_out: torch.Tensor):
-        x, lc, s = ctx.x, ctx.lora, ctx.scaling
-        dt = x.dtype
+        base, lc, s, ws = ctx.base, ctx.lora, ctx.scaling, ctx.ws
+        dt = ctx.xs.dtype
         acc = accum_dtype(dt)
-        t, hidden = x.shape
+        t, k = ctx.shape
+        n_pairs, hidden = ctx.xs.shape
         rank = lc.gate_a.shape[1]
         inter = ctx.gu.shape[1] // 2
-        ws = ctx.ws[:, None]
-        gy = grad_out.to(dt).index_select(0, ctx.tok)  # [N, H]
-        n_pairs = gy.shape[0]
+        num_experts = lc.gate_a.shape[0]
+        g, u = ctx.gu[:, :inter], ctx.gu[:, inter:]
+        silu_g = F.silu(g)
+        h = silu_g * u
+        gys = grad_out.to(dt).index_select(0, ctx.tok)  # [N, H], unweighted
 
-        g = ctx.gu[:, :inter].to(acc)
-        u = ctx.gu[:, inter:].to(acc)
-        sg = torch.sigmoid(g)
-        silu = g * sg
-        h = (silu * u).to(dt)
-
-        # down projection: q = dY Wd, qa = dY Bd (per expert)
+        # down projection: q = dY Wd, qa = dY Bd
         q = torch.empty(n_pairs, inter, dtype=dt)
         qa = torch.empty(n_pairs, rank, dtype=dt)
-        base = ctx.base
         for e, sl in _expert_slices(ctx.counts):
-            torch.mm(gy[sl], base.down[e], out=q[sl])
-            torch.mm(gy[sl], lc.down_b[e], out=qa[sl])
-        qf, qaf = q.to(acc), qa.to(acc)
-        grad_ws = (h.to(acc) * qf).sum(-1) + s * (ctx.pd.to(acc) * qaf).sum(-1)  # [N]
-        dpd = (s * ws * qaf).to(dt)  # [N, r] grad of h Ad^T
-        wpd = (s * ws * ctx.pd.to(acc)).to(dt)  # [N, r] so that dBd = dY^T (s w pd)
-        dh = (ws * qf).to(dt)  # [N, I]
-
-        num_experts = lc.gate_a.shape[0]
-        grads = {n: torch.zeros((num_experts, *w.shape[1:]), dtype=acc) for n, w in lc._asdict().items()}
+            torch.mm(gys[sl], base.down[e], out=q[sl])
+            torch.mm(gys[sl], lc.down_b[e], out=qa[sl])
+        grad_ws = (h * q).sum(-1, dtype=acc) + s * (ctx.pd * qa).sum(-1, dtype=acc)  # [N]
+        dpd = qa.mul_(ws).mul_(s)  # [N, r] grad of pd = h Ad^T (qa is not needed any more)
+        wpd = ctx.pd * ws * s  # [N, r]: dBd = dY^T (s w pd)
+        dh = q.mul_(ws)  # [N, I] base part of grad h
+        grads = {n: torch.empty(w.shape, dtype=dt) for n, w in lc._asdict().items()}
+        lo = torch.empty(n_pairs, inter, dtype=dt)
         for e, sl in _expert_slices(ctx.counts):
-            grads["down_b"][e].copy_(gy[sl].t() @ wpd[sl])
-            grads["down_a"][e].copy_(dpd[sl].t() @ h[sl])
-            dh[sl].addmm_(dpd[sl], lc.down_a[e])
+            torch.mm(gys[sl].t(), wpd[sl], out=grads["down_b"][e])
+            torch.mm(dpd[sl].t(), h[sl], out=grads["down_a"][e])
+            torch.mm(dpd[sl], lc.down_a[e], out=lo[sl])
+        dh.add_(lo)
+        del lo, gys, h, q
 
-        dhf = dh.to(acc)
-        dgu = torch.cat([dhf * u * (sg * (1 + g * (1 - sg))), dhf * silu], dim=1).to(dt)  # [N, 2I]
-        del g, u, sg, silu, dhf, q, qa
+        dgu = torch.empty(n_pairs, 2 * inter, dtype=dt)
+        torch.ops.aten.silu_backward(dh * u, g, grad_input=dgu[:, :inter])
+        torch.mul(dh, silu_g, out=dgu[:, inter:])
+        del dh, silu_g
 
-        xs = x.index_select(0, ctx.tok)
         dxs = torch.empty(n_pairs, hidden, dtype=dt)
+        lo = torch.empty(n_pairs, hidden, dtype=dt)
         dp = torch.empty(n_pairs, 2 * rank, dtype=dt)
+        db_gu = torch.empty(num_experts, 2 * inter, 2 * rank, dtype=dt)
+        da_gu = torch.empty(num_experts, 2 * rank, hidden, dtype=dt)
         for e, sl in _expert_slices(ctx.counts):
-            dg, du = dgu[sl, :inter], dgu[sl, inter:]
-            pg, pu = ctx.p[sl, :rank], ctx.p[sl, rank:]
-            grads["gate_b"][e].copy_(dg.t() @ pg).mul_(s)
-            grads["up_b"][e].copy_(du.t() @ pu).mul_(s)
-            torch.mm(dg, lc.gate_b[e], out=dp[sl, :rank])
-            torch.mm(du, lc.up_b[e], out=dp[sl, rank:])
+            torch.mm(dgu[sl].t(), ctx.p[sl], out=db_gu[e])
+            torch.mm(dgu[sl], ctx.b_gu[e], out=dp[sl])
             dp[sl].mul_(s)
-            da = dp[sl].t() @ xs[sl]  # [2r, H]
-            grads["gate_a"][e].copy_(da[:rank])
-            grads["up_a"][e].copy_(da[rank:])
+            torch.mm(dp[sl].t(), ctx.xs[sl], out=da_gu[e])
             torch.mm(dgu[sl], base.gate_up[e], out=dxs[sl])
-            dxs[sl].addmm_(dp[sl], ctx.a_gu[e])
+            torch.mm(dp[sl], ctx.a_gu[e], out=lo[sl])
+        dxs.add_(lo)
+        del lo
 
-        grad_x = torch.zeros(t, hidden, dtype=acc)
-        grad_x.index_add_(0, ctx.tok, dxs.to(acc))
-        grad_w = torch.empty(n_pairs, dtype=acc)
-        grad_w[ctx.order] = grad_ws
-        return grad_x, grad_w.view(t, ctx.k), LoraTensors(**grads)
+        # experts without tokens got no product: their LoRA grads are zero
+        empty = [e for e, n in enumerate(ctx.counts) if n == 0]
+        for buf in (*grads.values(), db_gu, da_gu):
+            if empty:
+                buf[empty] = 0
+        grads["gate_b"] = db_gu[:, :inter, :rank] * s
+        grads["up_b"] = db_gu[:, inter:, rank:] * s
+        grads["gate_a"], grads["up_a"] = da_gu[:, :rank], da_gu[:, rank:]
+
+        grad_x = dxs.index_select(0, ctx.inv).view(t, k, hidden).sum(1, dtype=acc)
+        grad_w = grad_ws.index_select(0, ctx.inv).view(t, k)
+        return grad_x, grad_w, LoraTensors(**{n: grads[n].to(acc) for n in lc._fields})
