@@ -170,3 +170,47 @@ def test_wrong_activation_refused():
     config.hidden_act = "gelu"
     with pytest.raises(KTConfigError, match="hidden_act='gelu'.*valid: 'silu'"):
         family_of(config)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_demo_model_through_llamafactory(family, tmp_path):
+    """`kt-ft make-demo-model --family F`, loaded by LLaMA-Factory with `use_kt` and `lora_target: all`:
+    experts replaced on the MoE layers, one forward/backward reaches every LoRA (expert and PEFT),
+    except DeepSeek-V2's router LoRA, which HF bypasses (it reads `gate.weight` directly)."""
+    _skip_if_missing(family)
+    pytest.importorskip("llamafactory")
+    from llamafactory.hparams import get_train_args
+    from llamafactory.model import load_model, load_tokenizer
+
+    from kt_ft.cli import main
+
+    assert main(["make-demo-model", str(tmp_path / "demo"), "--family", family]) == 0
+    model_args, _, _, finetuning_args, _ = get_train_args(
+        dict(
+            model_name_or_path=str(tmp_path / "demo" / "model"),
+            stage="sft",
+            do_train=True,
+            finetuning_type="lora",
+            lora_target="all",
+            lora_rank=4,
+            dataset_dir=str(tmp_path / "demo" / "data"),
+            dataset="kt_demo",
+            template="qwen",
+            output_dir=str(tmp_path / "out"),
+            report_to="none",
+            use_kt=True,
+            cpu_infer=1,
+        )
+    )
+    tokenizer = load_tokenizer(model_args)["tokenizer"]
+    model = load_model(tokenizer, model_args, finetuning_args, is_trainable=True)
+    kt = [m for m in model.modules() if isinstance(m, KTExperts)]
+    assert [m.layer_idx for m in kt] == moe_layers(model.config)
+    ids = torch.randint(1, len(tokenizer), (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    # B starts at zero, so only the B tensors get a non-zero gradient on the first step
+    assert all(p.grad is not None for m in kt for p in m.lora_tensors())
+    assert all(getattr(m, n).grad.abs().max() > 0 for m in kt for n in ("gate_b", "up_b", "down_b"))
+    dead = {n.split(".lora_")[0] for n, p in model.named_parameters() if "lora_A" in n and p.grad is None}
+    expected_dead = {f"base_model.model.model.layers.{m.layer_idx}.mlp.gate" for m in kt}
+    assert dead == (expected_dead if family == "deepseek_v2" else set())
