@@ -1,7 +1,9 @@
 """Tiny offline demo assets: a random MoE model, a locally trained tokenizer, a dataset.
 
-Nothing is downloaded: the model comes from a config (``models.FAMILIES[f].demo_config``),
-the tokenizer is a byte-level BPE trained on the demo dataset with ``tokenizers``.
+Nothing is downloaded: the model comes from a config (``models.FAMILIES[f].demo_config``,
+built as ``FAMILIES[f].demo_type``: the text-only model type where the real checkpoints are
+vision-language composites), the tokenizer is a byte-level BPE trained on the demo dataset
+with ``tokenizers``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import random
 from pathlib import Path
 
 from .errors import KTConfigError
-from .models import FAMILIES
+from .models import FAMILIES, UNSUPPORTED
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -87,6 +89,8 @@ def make_demo_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if family in UNSUPPORTED:
+        raise KTConfigError(f"--family {family!r} is not supported by kt-ft: {UNSUPPORTED[family]}")
     if family not in FAMILIES:
         raise KTConfigError(f"--family {family!r} is not supported; valid choices: {', '.join(FAMILIES)}")
     out = Path(out_dir)
@@ -100,14 +104,16 @@ def make_demo_model(
 
     texts = [f"{e['instruction']} {e['input']} {e['output']}" for e in examples] + ["user assistant system"]
     tokenizer = train_tokenizer(texts, vocab_size=400)
-    cfg = dict(FAMILIES[family].demo_config)
+    fam = FAMILIES[family]
+    # Special tokens are the tokenizer's (ChatML-style for every family: the demo recipe's
+    # template is `qwen`); the family's own bos/eos ids would point outside the small vocab.
     config = AutoConfig.for_model(
-        family,
+        fam.demo_type,
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        **cfg,
+        **fam.demo_config,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

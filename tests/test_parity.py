@@ -43,10 +43,26 @@ class PlainLoRAExperts(nn.Module):
         )
 
 
-def build_pair(backend: str, chunk_size: int, seed: int = 0, rank: int = 4, alpha: int = 8):
-    base = tiny_model(seed=seed)
+def build_pair(
+    backend: str,
+    chunk_size: int,
+    seed: int = 0,
+    rank: int = 4,
+    alpha: int = 8,
+    family: str = "qwen3_moe",
+    targets: list[str] | None = None,
+    **overrides,
+):
+    """(kt-ft model, reference model) of ``family`` from the same init.
+
+    Both are PEFT models with LoRA on ``targets`` (default: attention); the kt one has its
+    routed experts replaced by KTExperts (family's built-in rule), the reference by
+    PlainLoRAExperts holding a copy of kt-ft's expert-LoRA init.
+    """
+    fam = FAMILIES[family]
+    base = tiny_model(family, seed=seed, **overrides)
     peft_model = get_peft_model(
-        base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=ATTN, lora_dropout=0.0)
+        base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or ATTN, lora_dropout=0.0)
     )
     # PEFT inits lora_B with zeros: make it non-zero so the attention LoRA path is exercised too.
     with torch.no_grad():
@@ -55,9 +71,7 @@ def build_pair(backend: str, chunk_size: int, seed: int = 0, rank: int = 4, alph
                 p.normal_(0, 0.02)
     ref_model = copy.deepcopy(peft_model)
 
-    plan = make_plan(
-        peft_model, load_rules(resolve_rule_path("qwen3_moe")), FAMILIES["qwen3_moe"], backend, 2
-    )
+    plan = make_plan(peft_model, load_rules(resolve_rule_path(fam.builtin_rule)), fam, backend, 2)
     replace_routed_experts(peft_model, plan, rank, alpha / rank, chunk_size, seed=seed + 1)
     kt_modules = {n: m for n, m in peft_model.named_modules() if isinstance(m, KTExperts)}
     with torch.no_grad():  # non-zero B: the expert-LoRA path contributes from step 0

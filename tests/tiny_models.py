@@ -9,13 +9,19 @@ from kt_ft.models import FAMILIES
 
 
 def tiny_model(family: str = "qwen3_moe", seed: int = 0, vocab: int = 97, **overrides):
-    cfg = {**FAMILIES[family].demo_config, **overrides}
-    config = AutoConfig.for_model(family, vocab_size=vocab, pad_token_id=0, **cfg)
+    """A random fp32 model of ``family`` (``FAMILIES[family].demo_config`` + ``overrides``)."""
+    fam = FAMILIES[family]
+    cfg = {**fam.demo_config, **overrides}
+    config = AutoConfig.for_model(fam.demo_type, vocab_size=vocab, pad_token_id=0, **cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # HF inits the router with zeros in some versions: give it real routing so experts differ.
+    # DeepSeek-V3 / GLM-4.5 select experts with a bias added to the scores: make it non-zero too.
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith("gate.weight"):
                 p.normal_(0, 0.5)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     return model

@@ -3,64 +3,50 @@
 transformers v5 stores routed experts fused (``gate_up_proj`` [E, 2I, H], ``down_proj``
 [E, H, I]) and calls them as ``experts(hidden_states, top_k_index, top_k_weights)``; the
 router, shared experts and dense layers are other modules that stay on the GPU path.
+The families themselves are listed in ``families.py``.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import KTConfigError
+from .families import FAMILIES, UNSUPPORTED, MoEFamily
 
-
-@dataclass(frozen=True)
-class MoEFamily:
-    model_type: str  # transformers config.model_type
-    experts_class: str  # class name of the fused routed-experts module
-    activation: str  # config.hidden_act the CPU op implements
-    builtin_rule: str  # optimize rule used when the recipe names none
-    template: str  # LLaMA-Factory chat template for the real models
-    demo_config: dict[str, Any] = field(default_factory=dict)
-
-
-FAMILIES: dict[str, MoEFamily] = {
-    "qwen3_moe": MoEFamily(
-        model_type="qwen3_moe",
-        experts_class="Qwen3MoeExperts",
-        activation="silu",
-        builtin_rule="qwen3_moe",
-        template="qwen3",
-        demo_config=dict(
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            num_experts=8,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-            hidden_act="silu",
-        ),
-    ),
-}
+__all__ = [
+    "FAMILIES",
+    "UNSUPPORTED",
+    "MoEFamily",
+    "check_routed_experts",
+    "family_of",
+    "find_routed_experts",
+    "layer_index",
+]
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 
 
 def family_of(config) -> MoEFamily:
+    """The family of a transformers config (its ``model_type``), checked against what kt-ft computes."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
+    if model_type in UNSUPPORTED:
+        raise KTConfigError(f"model_type={model_type!r} is not supported by kt-ft: {UNSUPPORTED[model_type]}")
+    if model_type not in _BY_MODEL_TYPE:
         raise KTConfigError(
-            f"model_type={model_type!r} is not supported by kt-ft yet; supported: {', '.join(FAMILIES)}"
+            f"model_type={model_type!r} is not supported by kt-ft yet; supported: {', '.join(_BY_MODEL_TYPE)}"
         )
-    return FAMILIES[model_type]
+    family = _BY_MODEL_TYPE[model_type]
+    # composite (vision-language) configs keep the language model's keys in text_config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    act = getattr(text, "hidden_act", family.activation)
+    if act != family.activation:
+        raise KTConfigError(
+            f"hidden_act={act!r} in the {model_type} config: kt-ft's CPU expert op computes "
+            f"{family.activation}(gate) * up only; valid: {family.activation!r}"
+        )
+    return family
 
 
 def layer_index(module_name: str) -> int:
@@ -71,6 +57,49 @@ def layer_index(module_name: str) -> int:
     return int(m.group(1))
 
 
+def check_routed_experts(name: str, module: Any) -> None:
+    """Refuse an experts module that is not the layout the CPU op computes, naming what differs.
+
+    Expected: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], no bias tensors, a silu
+    ``act_fn`` and transformers' default gate (silu(gate) * up on the halves :I / I:).
+    """
+    from torch import nn
+
+    problems = []
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        problems.append("expected 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]")
+    else:
+        e, two_i, h = gate_up.shape
+        if getattr(module, "is_transposed", False) or two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+            problems.append(
+                f"gate_up_proj {tuple(gate_up.shape)} / down_proj {tuple(down.shape)} are not "
+                "[E, 2I, H] / [E, H, I]"
+            )
+    biases = [n for n, _ in module.named_parameters(recurse=False) if n.endswith("bias")]
+    if biases or getattr(module, "has_bias", False):
+        problems.append(f"has bias tensors {biases or '(has_bias=True)'}; the CPU op has none")
+    act = getattr(module, "act_fn", None)
+    if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+        problems.append(f"act_fn is {type(act).__name__}, the CPU op computes silu(gate) * up")
+    try:  # a family-specific gate (e.g. a clamped activation) replaces transformers' default one
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # pragma: no cover - older transformers: nothing to compare against
+        _default_apply_gate = None
+    gate_fn = getattr(type(module), "_apply_gate", _default_apply_gate)
+    if _default_apply_gate is not None and gate_fn is not _default_apply_gate:
+        problems.append(f"overrides _apply_gate ({gate_fn.__qualname__}): not silu(gate) * up")
+    if problems:
+        raise KTConfigError([f"routed experts {name} ({type(module).__name__}): {p}" for p in problems])
+
+
 def find_routed_experts(model, family: MoEFamily) -> list[tuple[str, Any]]:
-    """(dotted name, module) of every routed-experts module, in model order."""
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__ == family.experts_class]
+    """(dotted name, module) of every routed-experts module, in model order, layout-checked.
+
+    Only MoE layers have one (dense layers of first-k-dense / mlp_only_layers families have an
+    MLP instead), so the names carry the real decoder-layer indices.
+    """
+    found = [(n, m) for n, m in model.named_modules() if type(m).__name__ == family.experts_class]
+    for name, module in found:
+        check_routed_experts(name, module)
+    return found

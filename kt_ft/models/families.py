@@ -1,0 +1,243 @@
+"""The MoE families kt-ft supports, and the ones it refuses (with the reason).
+
+Every supported family was checked against transformers 5.6's modeling file: its routed
+experts are one fused module with ``gate_up_proj`` [E, 2I, H] (rows :I gate, I: up) and
+``down_proj`` [E, H, I], no biases, ``act_fn = silu``, called as ``experts(hidden_states [T, H],
+top_k_index [T, k], top_k_weights [T, k])`` with the routing weights already final (softmax /
+sigmoid, top-k renormalisation, group-limited selection and ``routed_scaling_factor`` all
+happen in HF's router code, which kt-ft leaves untouched). Shared experts, their sigmoid gate
+and dense MLP layers are ordinary ``nn.Linear`` modules on the GPU path (PEFT LoRA).
+
+Per family, ``demo_config`` is a tiny random model (hidden 64, 8 experts top-2, a small
+vocab set by the caller) that keeps the family's structure: dense layers where the family
+has them, shared experts, grouped routing, hybrid attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MoEFamily:
+    model_type: str  # transformers config.model_type of the real checkpoints
+    experts_class: str  # class name of the fused routed-experts module
+    activation: str  # config.hidden_act the CPU op implements (silu-gated GLU)
+    builtin_rule: str  # optimize rule used when the recipe names none
+    template: str  # LLaMA-Factory chat template for the real (instruct) models
+    recipe: str  # recipes/<recipe> for a real model of the family
+    demo_config: dict[str, Any] = field(default_factory=dict)
+    # other config.model_type values that are this family (e.g. a text-only config)
+    aliases: tuple[str, ...] = ()
+    # model_type the tiny demo/test model is built with (default: model_type); a text-only
+    # type where the real checkpoint is a vision-language composite
+    demo_model_type: str | None = None
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return (self.model_type, *self.aliases)
+
+    @property
+    def demo_type(self) -> str:
+        return self.demo_model_type or self.model_type
+
+
+# Attention shapes shared by the demo configs (4 heads of 16, GQA 2 kv heads).
+_ATTN = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
+# DeepSeek multi-head latent attention, tiny (q_lora_rank None = plain q_proj, as in V2-Lite).
+_MLA = dict(
+    _ATTN,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    head_dim=8,  # = qk_rope_head_dim: HF's rotary embedding uses head_dim
+)
+
+FAMILIES: dict[str, MoEFamily] = {
+    "qwen3_moe": MoEFamily(
+        model_type="qwen3_moe",
+        experts_class="Qwen3MoeExperts",
+        activation="silu",
+        builtin_rule="qwen3_moe",
+        template="qwen3",
+        recipe="qwen3_30b_a3b.yaml",
+        demo_config=dict(
+            _ATTN,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen2_moe": MoEFamily(
+        model_type="qwen2_moe",
+        experts_class="Qwen2MoeExperts",
+        activation="silu",
+        builtin_rule="qwen2_moe",
+        template="qwen",
+        recipe="qwen2_57b_a14b.yaml",
+        demo_config=dict(
+            _ATTN,
+            intermediate_size=128,  # dense MLP of mlp_only_layers
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,  # one shared expert behind a sigmoid gate
+            num_hidden_layers=3,
+            mlp_only_layers=[1],  # a dense layer in the middle: expert layers are 0 and 2
+            decoder_sparse_step=1,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            qkv_bias=True,
+        ),
+    ),
+    "deepseek_v2": MoEFamily(
+        model_type="deepseek_v2",
+        experts_class="DeepseekV2Experts",
+        activation="silu",
+        builtin_rule="deepseek_v2",
+        template="deepseek",
+        recipe="deepseek_v2_lite.yaml",
+        demo_config=dict(
+            _MLA,
+            q_lora_rank=None,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,  # layer 0 dense, as in DeepSeek-V2(-Lite)
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            # greedy as in V2-Lite; transformers 5.6's group_limited_greedy (V2) reads a
+            # missing attribute (DeepseekV2Moe.num_experts), see README "Model families"
+            topk_method="greedy",
+            routed_scaling_factor=1.5,  # applied in HF's router: the experts get scaled weights
+            norm_topk_prob=False,
+        ),
+    ),
+    "deepseek_v3": MoEFamily(
+        model_type="deepseek_v3",
+        experts_class="DeepseekV3NaiveMoe",
+        activation="silu",
+        builtin_rule="deepseek_v3",
+        template="deepseek3",
+        recipe="deepseek_v3.yaml",
+        demo_config=dict(
+            _MLA,
+            q_lora_rank=32,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=4,  # sigmoid scores + e_score_correction_bias, 2 of 4 groups
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        ),
+    ),
+    "glm4_moe": MoEFamily(
+        model_type="glm4_moe",
+        experts_class="Glm4MoeNaiveMoe",
+        activation="silu",
+        builtin_rule="glm4_moe",
+        template="glm4_moe",
+        recipe="glm4_5_air.yaml",
+        demo_config=dict(
+            _ATTN,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        ),
+    ),
+    "mixtral": MoEFamily(
+        model_type="mixtral",
+        experts_class="MixtralExperts",
+        activation="silu",
+        builtin_rule="mixtral",
+        template="mistral",
+        recipe="mixtral_8x7b.yaml",
+        demo_config=dict(
+            _ATTN,
+            intermediate_size=32,  # Mixtral's experts use intermediate_size (no dense layers)
+            num_hidden_layers=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
+    "olmoe": MoEFamily(
+        model_type="olmoe",
+        experts_class="OlmoeExperts",
+        activation="silu",
+        builtin_rule="olmoe",
+        template="olmo",
+        recipe="olmoe_1b_7b.yaml",
+        demo_config=dict(
+            {k: v for k, v in _ATTN.items() if k != "head_dim"},  # OLMoE derives head_dim
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+        ),
+    ),
+    "qwen3_5_moe": MoEFamily(
+        model_type="qwen3_5_moe",
+        experts_class="Qwen3_5MoeExperts",
+        activation="silu",
+        builtin_rule="qwen3_5_moe",
+        template="qwen3_5",
+        recipe="qwen3_5_moe.yaml",
+        # the real checkpoints are vision-language composites (qwen3_5_moe, the language
+        # model under model.language_model); the demo is the text-only model
+        aliases=("qwen3_5_moe_text",),
+        demo_model_type="qwen3_5_moe_text",
+        demo_config=dict(
+            _ATTN,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],  # hybrid: Gated DeltaNet + attention
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+    ),
+}
+
+# Families whose routed experts kt-ft's CPU op does not compute (yet), and why.
+UNSUPPORTED: dict[str, str] = {
+    "gpt_oss": (
+        "GptOssExperts is not the silu-gated layout of kt-ft's CPU op: its weights are transposed "
+        "(gate_up_proj [E, H, 2I], down_proj [E, I, H]) with gate/up interleaved, it has biases "
+        "(gate_up_proj_bias, down_proj_bias), and its activation is a clamped swish "
+        "(gate clamped to <= 7, up to [-7, 7], (up + 1) * gate * sigmoid(1.702 * gate))"
+    ),
+}
