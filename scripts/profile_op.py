@@ -44,4 +44,15 @@ tb = step()
 print(f"{a.backend} {a.tokens} tokens: fwd+bwd {1e3 * (time.perf_counter() - t0):.1f} ms (bwd {1e3 * tb:.1f} ms)")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
     step()
-print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=40))
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+
+# aten::mm time by product kind: dims other than H, I, 2I, r, 2r are the per-expert row count n
+known = {p.hidden, p.inter, 2 * p.inter, 8, 16}
+by_kind: dict[str, list[float]] = {}
+for ev in prof.events():
+    if ev.name == "aten::mm" and ev.input_shapes:
+        kind = " x ".join("[" + ",".join(str(d) if d in known else "n" for d in s) + "]" for s in ev.input_shapes[:2])
+        by_kind.setdefault(kind, []).append(ev.cpu_time_total / 1e3)
+print(f"{'aten::mm kind':<40}{'calls':>7}{'total ms':>10}{'avg ms':>9}")
+for kind, ts in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):
+    print(f"{kind:<40}{len(ts):>7}{sum(ts):>10.1f}{sum(ts) / len(ts):>9.3f}")
