@@ -2,9 +2,12 @@
 expert on contiguous slices, hand-written backward.
 
 Layout choices (measured on a 16-core Sapphire-Rapids-class Xeon, see README "Performance"):
-* every product writes a contiguous slice of a buffer allocated once per call (no per-expert
-  allocation, no GEMM into a strided view); LoRA corrections go to their own buffer and are
-  added with one vectorised op;
+* each expert's rows are padded to a multiple of ``ROW_PAD`` (padding rows carry routing
+  weight 0 and are never read back): oneDNN builds one GEMM kernel per shape and caches about
+  a thousand, so raw per-expert row counts (a new shape almost every call) made every product
+  pay a kernel build -- 5x slower on the GPU machine's Xeon;
+* products write contiguous slices of buffers allocated once per call (no GEMM into a strided
+  view); LoRA corrections go to their own buffer and are added with one vectorised op;
 * gate and up LoRA run as one product each way: A_gu = [Ag; Au] [2r, H] and the
   block-diagonal B_gu = diag(Bg, Bu) [2I, 2r], built once per call;
 * elementwise work runs once over all pairs in the compute dtype (``silu_backward`` for the
@@ -24,15 +27,17 @@ import torch.nn.functional as F
 
 from .base import ExpertBackend, ExpertWeights, LoraTensors, accum_dtype
 
+ROW_PAD = 16  # AMX tile height; also bounds the number of distinct GEMM shapes
+
 
 @dataclass
 class _Ctx:
     base: ExpertWeights
-    xs: torch.Tensor  # [N, H] inputs of the sorted pairs, compute dtype (N = T*k)
-    tok: torch.Tensor  # [N] token of each sorted pair
-    inv: torch.Tensor  # [N] sorted position of flat pair t*k + slot
-    counts: list[int]  # pairs per expert
-    ws: torch.Tensor  # [N, 1] routing weight of each sorted pair, compute dtype
+    xs: torch.Tensor  # [N, H] inputs of the expert-sorted, padded pairs, compute dtype
+    tok: torch.Tensor  # [N] token of each row (padding rows: token 0)
+    inv: torch.Tensor  # [T*k] row of flat pair t*k + slot
+    counts: list[int]  # rows per expert (padded)
+    ws: torch.Tensor  # [N, 1] routing weight of each row (padding rows: 0), compute dtype
     gu: torch.Tensor  # [N, 2I] gate/up pre-activations (LoRA included)
     p: torch.Tensor  # [N, 2r] xs @ A_gu^T
     pd: torch.Tensor  # [N, r] h @ Ad^T
@@ -49,6 +54,31 @@ def _expert_slices(counts: list[int]):
         if n:
             yield e, slice(off, off + n)
         off += n
+
+
+def _route(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
+    """Sort the T*k (token, slot) pairs by expert, each expert's rows padded to ROW_PAD.
+
+    Returns (tok [N] token per row, inv [T*k] row of each flat pair, ws [N, 1] routing
+    weight per row with 0 on padding rows, counts: padded rows per expert).
+    """
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + ROW_PAD - 1) // ROW_PAD * ROW_PAD
+    start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
+    start_pad = torch.cumsum(padded, 0) - padded  # first row of each expert
+    expert = flat[order]
+    row = start_pad[expert] + torch.arange(n) - start[expert]  # row of each sorted pair
+    n_rows = int(padded.sum())
+    tok = torch.zeros(n_rows, dtype=torch.long)
+    tok[row] = torch.div(order, ids.shape[1], rounding_mode="floor")
+    ws = torch.zeros(n_rows, 1, dtype=weights.dtype)
+    ws[row, 0] = weights.reshape(-1)[order]
+    inv = torch.empty(n, dtype=torch.long)
+    inv[order] = row
+    return tok, inv, ws, padded.tolist()
 
 
 def _block_diag_b(gate_b: torch.Tensor, up_b: torch.Tensor) -> torch.Tensor:
@@ -74,22 +104,21 @@ class GroupedTorchBackend(ExpertBackend):
         a_gu = torch.cat([lc.gate_a, lc.up_a], dim=1)
         b_gu = _block_diag_b(lc.gate_b, lc.up_b)
 
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(order.numel())
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
-        tok = torch.div(order, k, rounding_mode="floor")
+        tok, inv, ws, counts = _route(ids, weights.to(dt), num_experts)
         xs = x.to(dt).index_select(0, tok)  # [N, H]
         n_pairs = xs.shape[0]
 
         gu = torch.empty(n_pairs, two_i, dtype=dt)
         p = torch.empty(n_pairs, 2 * rank, dtype=dt)
         lo = torch.empty(n_pairs, two_i, dtype=dt)
+        # one loop per product kind: alternating big and rank-sized products per expert measured
+        # several times slower on the Xeon than running each kind back to back
+        for e, sl in _expert_slices(counts):
+            torch.mm(xs[sl], a_gu[e].t(), out=p[sl])
+        for e, sl in _expert_slices(counts):
+            torch.mm(p[sl], b_gu[e].t(), out=lo[sl])
         for e, sl in _expert_slices(counts):
             torch.mm(xs[sl], base.gate_up[e].t(), out=gu[sl])
-            torch.mm(xs[sl], a_gu[e].t(), out=p[sl])
-            torch.mm(p[sl], b_gu[e].t(), out=lo[sl])
         gu.add_(lo, alpha=s)
         del lo
 
@@ -98,9 +127,11 @@ class GroupedTorchBackend(ExpertBackend):
         pd = torch.empty(n_pairs, rank, dtype=dt)
         lo = torch.empty(n_pairs, hidden, dtype=dt)
         for e, sl in _expert_slices(counts):
-            torch.mm(h[sl], base.down[e].t(), out=d[sl])
             torch.mm(h[sl], lc.down_a[e].t(), out=pd[sl])
+        for e, sl in _expert_slices(counts):
             torch.mm(pd[sl], lc.down_b[e].t(), out=lo[sl])
+        for e, sl in _expert_slices(counts):
+            d[sl] = torch.mm(h[sl], base.down[e].t())  # out= takes a 2.5x slower path here
         d.add_(lo, alpha=s)
         del lo, h
 
@@ -109,7 +140,6 @@ class GroupedTorchBackend(ExpertBackend):
         out = torch.bmm(weights.to(dt).view(t, 1, k), d_tok).view(t, hidden)
         if not needs_grad:
             return out, None
-        ws = weights.reshape(-1).index_select(0, order).to(dt)[:, None]
         return out, _Ctx(base, xs, tok, inv, counts, ws, gu, p, pd, lc, a_gu, b_gu, (t, k), s)
 
     def backward(self, ctx: _Ctx, grad_out: torch.Tensor):
@@ -130,8 +160,9 @@ class GroupedTorchBackend(ExpertBackend):
         q = torch.empty(n_pairs, inter, dtype=dt)
         qa = torch.empty(n_pairs, rank, dtype=dt)
         for e, sl in _expert_slices(ctx.counts):
-            torch.mm(gys[sl], base.down[e], out=q[sl])
             torch.mm(gys[sl], lc.down_b[e], out=qa[sl])
+        for e, sl in _expert_slices(ctx.counts):
+            torch.mm(gys[sl], base.down[e], out=q[sl])
         grad_ws = (h * q).sum(-1, dtype=acc) + s * (ctx.pd * qa).sum(-1, dtype=acc)  # [N]
         dpd = qa.mul_(ws).mul_(s)  # [N, r] grad of pd = h Ad^T (qa is not needed any more)
         wpd = ctx.pd * ws * s  # [N, r]: dBd = dY^T (s w pd)
@@ -140,7 +171,9 @@ class GroupedTorchBackend(ExpertBackend):
         lo = torch.empty(n_pairs, inter, dtype=dt)
         for e, sl in _expert_slices(ctx.counts):
             torch.mm(gys[sl].t(), wpd[sl], out=grads["down_b"][e])
+        for e, sl in _expert_slices(ctx.counts):
             torch.mm(dpd[sl].t(), h[sl], out=grads["down_a"][e])
+        for e, sl in _expert_slices(ctx.counts):
             torch.mm(dpd[sl], lc.down_a[e], out=lo[sl])
         dh.add_(lo)
         del lo, gys, h, q
@@ -157,11 +190,15 @@ class GroupedTorchBackend(ExpertBackend):
         da_gu = torch.empty(num_experts, 2 * rank, hidden, dtype=dt)
         for e, sl in _expert_slices(ctx.counts):
             torch.mm(dgu[sl].t(), ctx.p[sl], out=db_gu[e])
+        for e, sl in _expert_slices(ctx.counts):
             torch.mm(dgu[sl], ctx.b_gu[e], out=dp[sl])
-            dp[sl].mul_(s)
+        dp.mul_(s)
+        for e, sl in _expert_slices(ctx.counts):
             torch.mm(dp[sl].t(), ctx.xs[sl], out=da_gu[e])
-            torch.mm(dgu[sl], base.gate_up[e], out=dxs[sl])
+        for e, sl in _expert_slices(ctx.counts):
             torch.mm(dp[sl], ctx.a_gu[e], out=lo[sl])
+        for e, sl in _expert_slices(ctx.counts):
+            torch.mm(dgu[sl], base.gate_up[e], out=dxs[sl])
         dxs.add_(lo)
         del lo
 
