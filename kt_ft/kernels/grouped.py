@@ -30,6 +30,32 @@ from .base import ExpertBackend, ExpertWeights, LoraTensors, accum_dtype
 ROW_PAD = 16  # AMX tile height; also bounds the number of distinct GEMM shapes
 
 
+class _Workspace:
+    """Scratch buffers for a call's temporaries, kept mapped between calls.
+
+    A fresh large CPU allocation comes straight from the OS, and its first write pays a page
+    fault per 4 KiB; buffers here are reused by every call of every layer (a call's
+    temporaries are dead when it returns; the op runs on one thread). Costs the largest
+    call's temporaries in RAM for the life of the process.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        buf = self._bufs.get((key, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            self._bufs[(key, dtype)] = buf
+        return buf[:numel].view(shape)
+
+
+_WS = _Workspace()
+
+
 @dataclass
 class _Ctx:
     base: ExpertWeights
@@ -110,7 +136,7 @@ class GroupedTorchBackend(ExpertBackend):
 
         gu = torch.empty(n_pairs, two_i, dtype=dt)
         p = torch.empty(n_pairs, 2 * rank, dtype=dt)
-        lo = torch.empty(n_pairs, two_i, dtype=dt)
+        lo = _WS.get("f_lo_gu", (n_pairs, two_i), dt)
         # one loop per product kind: alternating big and rank-sized products per expert measured
         # several times slower on the Xeon than running each kind back to back
         for e, sl in _expert_slices(counts):
@@ -123,9 +149,9 @@ class GroupedTorchBackend(ExpertBackend):
         del lo
 
         h = F.silu(gu[:, :inter]) * gu[:, inter:]  # [N, I]
-        d = torch.empty(n_pairs, hidden, dtype=dt)
+        d = _WS.get("f_d", (n_pairs, hidden), dt)
         pd = torch.empty(n_pairs, rank, dtype=dt)
-        lo = torch.empty(n_pairs, hidden, dtype=dt)
+        lo = _WS.get("f_lo_d", (n_pairs, hidden), dt)
         for e, sl in _expert_slices(counts):
             torch.mm(h[sl], lc.down_a[e].t(), out=pd[sl])
         for e, sl in _expert_slices(counts):
@@ -154,10 +180,10 @@ class GroupedTorchBackend(ExpertBackend):
         g, u = ctx.gu[:, :inter], ctx.gu[:, inter:]
         silu_g = F.silu(g)
         h = silu_g * u
-        gys = grad_out.to(dt).index_select(0, ctx.tok)  # [N, H], unweighted
+        gys = torch.index_select(grad_out.to(dt), 0, ctx.tok, out=_WS.get("b_gys", (n_pairs, hidden), dt))
 
         # down projection: q = dY Wd, qa = dY Bd
-        q = torch.empty(n_pairs, inter, dtype=dt)
+        q = _WS.get("b_q", (n_pairs, inter), dt)
         qa = torch.empty(n_pairs, rank, dtype=dt)
         for e, sl in _expert_slices(ctx.counts):
             torch.mm(gys[sl], lc.down_b[e], out=qa[sl])
@@ -168,7 +194,7 @@ class GroupedTorchBackend(ExpertBackend):
         wpd = ctx.pd * ws * s  # [N, r]: dBd = dY^T (s w pd)
         dh = q.mul_(ws)  # [N, I] base part of grad h
         grads = {n: torch.empty(w.shape, dtype=dt) for n, w in lc._asdict().items()}
-        lo = torch.empty(n_pairs, inter, dtype=dt)
+        lo = _WS.get("b_lo_h", (n_pairs, inter), dt)
         for e, sl in _expert_slices(ctx.counts):
             torch.mm(gys[sl].t(), wpd[sl], out=grads["down_b"][e])
         for e, sl in _expert_slices(ctx.counts):
@@ -178,13 +204,13 @@ class GroupedTorchBackend(ExpertBackend):
         dh.add_(lo)
         del lo, gys, h, q
 
-        dgu = torch.empty(n_pairs, 2 * inter, dtype=dt)
+        dgu = _WS.get("b_dgu", (n_pairs, 2 * inter), dt)
         torch.ops.aten.silu_backward(dh * u, g, grad_input=dgu[:, :inter])
         torch.mul(dh, silu_g, out=dgu[:, inter:])
         del dh, silu_g
 
-        dxs = torch.empty(n_pairs, hidden, dtype=dt)
-        lo = torch.empty(n_pairs, hidden, dtype=dt)
+        dxs = _WS.get("b_dxs", (n_pairs, hidden), dt)
+        lo = _WS.get("b_lo_x", (n_pairs, hidden), dt)
         dp = torch.empty(n_pairs, 2 * rank, dtype=dt)
         db_gu = torch.empty(num_experts, 2 * inter, 2 * rank, dtype=dt)
         da_gu = torch.empty(num_experts, 2 * rank, hidden, dtype=dt)
