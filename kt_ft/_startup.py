@@ -19,6 +19,7 @@ from types import ModuleType
 POST_IMPORT_PATCHES = {
     "llamafactory.hparams.parser": "kt_ft.llamafactory.patches:patch_parser_module",
     "llamafactory.model.loader": "kt_ft.llamafactory.patches:patch_loader_module",
+    "llamafactory.train.tuner": "kt_ft.llamafactory.trainer_hooks:patch_tuner_module",
 }
 
 
