@@ -1,7 +1,8 @@
 """Start-up hook, run by ``kt_ft_activate.pth`` in every Python process.
 
-It only registers an import hook: when (and if) LLaMA-Factory's argument parser or model
-loader is imported, kt-ft's patches are applied right after the module body has run.
+It only registers an import hook: when (and if) LLaMA-Factory's argument parser, model
+loader or training entry (tuner) is imported, kt-ft's patches are applied right after the
+module body has run.
 Nothing heavy is imported here, so a process that never imports llamafactory pays about
 nothing. Set ``KT_FT_DISABLE=1`` to turn the hook off.
 """

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from kt_adapters import TOKENS
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -125,3 +125,35 @@ def test_merge_refuses_another_base_model(saved_adapter, demo_assets, tmp_path, 
         from kt_ft.export import merge_adapter
 
         merge_adapter(src, tmp_path / "m2", base=other)
+
+
+def test_merge_into_a_fused_expert_checkpoint(saved_adapter, demo_assets, tmp_path):
+    """A base stored with fused experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) merges to
+    the same weights as the per-expert one, stacked: exact up to fp32 rounding (atol 1e-6)."""
+    _, src, _, _ = saved_adapter
+    fused_base = tmp_path / "fused_base"
+    shutil.copytree(demo_assets / "model", fused_base)
+    per = load_file(str(fused_base / "model.safetensors"))
+    fused = {k: v for k, v in per.items() if ".mlp.experts." not in k}
+    for layer in (0, 1):
+        t = f"model.layers.{layer}.mlp.experts"
+        fused[f"{t}.gate_up_proj"] = torch.stack(
+            [torch.cat([per[f"{t}.{e}.gate_proj.weight"], per[f"{t}.{e}.up_proj.weight"]]) for e in range(8)]
+        )
+        fused[f"{t}.down_proj"] = torch.stack([per[f"{t}.{e}.down_proj.weight"] for e in range(8)])
+    save_file(fused, str(fused_base / "model.safetensors"), metadata={"format": "pt"})
+
+    main(["merge", str(src), str(tmp_path / "m_per"), "--base", str(demo_assets / "model")])
+    main(["merge", str(src), str(tmp_path / "m_fused"), "--base", str(fused_base)])
+    a = load_file(str(tmp_path / "m_per" / "model.safetensors"))
+    b = load_file(str(tmp_path / "m_fused" / "model.safetensors"))
+    for layer in (0, 1):
+        t = f"model.layers.{layer}.mlp.experts"
+        for e in range(8):
+            gate, up = b[f"{t}.gate_up_proj"][e].chunk(2)
+            torch.testing.assert_close(gate, a[f"{t}.{e}.gate_proj.weight"], rtol=0, atol=1e-6)
+            torch.testing.assert_close(up, a[f"{t}.{e}.up_proj.weight"], rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                b[f"{t}.down_proj"][e], a[f"{t}.{e}.down_proj.weight"], rtol=0, atol=1e-6
+            )
+        assert not torch.equal(b[f"{t}.down_proj"], fused[f"{t}.down_proj"]), "nothing was merged"

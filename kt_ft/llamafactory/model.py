@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,10 @@ from ..moe.patch import replace_routed_experts
 from ..rules import load_rules, make_plan, resolve_rule_path
 
 logger = get_logger(__name__)
+
+# kt-ft adds a "kt_ft" block to PEFT's adapter_config.json; PEFT ignores it but warns, wrongly,
+# that the file may come from a newer PEFT. Silence exactly that warning in kt-ft processes.
+warnings.filterwarnings("ignore", message=r"Unexpected keyword arguments \['kt_ft'\]", category=UserWarning)
 
 
 def _rss_gib() -> float:
