@@ -42,6 +42,9 @@ def test_reload_for_inference_gives_the_same_logits(saved_adapter, demo_assets):
     kt = [m for m in model.modules() if isinstance(m, KTExperts)]
     assert kt and not any(p.requires_grad for m in kt for p in m.lora_tensors())
     torch.testing.assert_close(logits(model), ref, rtol=1e-5, atol=1e-5)
+    # what `llamafactory-cli export` does next: refused (the expert LoRA would be dropped silently)
+    with pytest.raises(KTConfigError, match=r"run `kt-ft merge ADAPTER_DIR OUT`"):
+        model.save_pretrained(str(out.parent / "export"))
 
 
 def test_load_adapter_restores_both_parts_and_keeps_expert_lora_trainable(saved_adapter):

@@ -143,6 +143,15 @@ def _hook_save_pretrained(model: Any, info: KTAdapterInfo) -> None:
     def save_pretrained(save_directory, *args, **kwargs):
         if not kwargs.get("is_main_process", True):
             return original(save_directory, *args, **kwargs)
+        from peft import PeftModel
+
+        if not isinstance(model, PeftModel):
+            # `llamafactory-cli export`: PEFT's part is merged, but a full save would write the
+            # expert LoRA as stray tensors that loaders drop, silently: refuse, point to the tool.
+            raise KTConfigError(
+                f"export to {save_directory} with use_kt: LLaMA-Factory's export cannot fold the expert LoRA; "
+                "run `kt-ft merge ADAPTER_DIR OUT` (merged model) or `kt-ft convert ADAPTER_DIR OUT` (per-expert LoRA)"
+            )
         defer = getattr(model, "_kt_ft_defer_checkpoint_manifest", False) and bool(
             CHECKPOINT_DIR.fullmatch(Path(save_directory).name)
         )
