@@ -64,6 +64,10 @@ def test_checkpoints_hold_split_artifacts(demo_run):
             keys = list(f.keys())
         assert keys and all("lora_" in k for k in keys)
         assert not any(".experts." in k for k in keys), "expert LoRA leaked into the PEFT file"
+    # a checkpoint's manifest is written last, over the trainer's files too (kt-ft's on_save callback)
+    listed = set(json.loads((out / "checkpoint-10" / "kt_adapter_manifest.json").read_text())["files"])
+    assert {*names, "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= listed, listed
+    assert set(json.loads((out / "kt_adapter_manifest.json").read_text())["files"]) == set(names)
     final = fused_tensors(out / "fused_expert_lora.safetensors")
     for key, t in final.items():
         if key.endswith("_b"):
