@@ -1,4 +1,4 @@
-"""The ``kt-ft`` command: make-demo-model, rules (list/check)."""
+"""The ``kt-ft`` command: make-demo-model, rules (list/check), bench, convert, merge."""
 
 from __future__ import annotations
 
@@ -46,6 +46,21 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from .export import convert_adapter
+
+    for d in convert_adapter(args.dir, args.out, split=args.split):
+        print(f"wrote {d}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from .export import merge_adapter
+
+    print(f"wrote {merge_adapter(args.dir, args.out, base=args.base)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -74,6 +89,26 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is kept)")
     bench.add_argument("--json", default=None, help="also write the records to this JSON file")
     bench.set_defaults(func=_bench)
+
+    conv = sub.add_parser(
+        "convert", help="write a kt-ft adapter as a per-expert PEFT adapter (vLLM, SGLang, PEFT)"
+    )
+    conv.add_argument("dir", help="kt-ft adapter dir (an output dir or a checkpoint-N)")
+    conv.add_argument("out", help="output directory")
+    conv.add_argument(
+        "--split", action="store_true", help="write OUT/experts and OUT/non_experts instead of one adapter"
+    )
+    conv.set_defaults(func=_convert)
+
+    merge = sub.add_parser(
+        "merge", help="fold a kt-ft adapter into the base weights (plain transformers model)"
+    )
+    merge.add_argument("dir", help="kt-ft adapter dir (an output dir or a checkpoint-N)")
+    merge.add_argument("out", help="output directory for the merged model")
+    merge.add_argument(
+        "--base", default=None, help="local base model dir (default: the manifest's base_model.name_or_path)"
+    )
+    merge.set_defaults(func=_merge)
 
     rules = sub.add_parser("rules", help="optimize rules").add_subparsers(dest="rules_command", required=True)
     rl = rules.add_parser("list", help="list built-in rules")

@@ -19,3 +19,15 @@ def demo_assets(tmp_path_factory):
     from kt_ft.demo import make_demo_model
 
     return make_demo_model(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def saved_adapter(demo_assets, tmp_path_factory):
+    """(model, adapter dir, reference logits, trainable-param copies) of a random-LoRA kt model
+    of the demo, saved through LLaMA-Factory's model (see tests/kt_adapters.py)."""
+    pytest.importorskip("llamafactory")
+    from kt_adapters import random_lora_adapter
+
+    out = tmp_path_factory.mktemp("adapter") / "out"
+    model, ref, state = random_lora_adapter(demo_assets, out)
+    return model, out, ref, state

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 from test_families import moe_layers
 from transformers import AutoConfig
@@ -58,17 +59,22 @@ def test_checkpoints_hold_split_artifacts(demo_run):
     shapes = {"gate_lora_a": (E, r, H), "gate_lora_b": (E, I, r), "up_lora_a": (E, r, H), "up_lora_b": (E, I, r),
               "down_lora_a": (E, r, I), "down_lora_b": (E, H, r)}  # fmt: skip
     for d in (out / "checkpoint-10", out / "checkpoint-20", out):
-        for name in ("adapter_config.json", "adapter_model.safetensors", "fused_expert_lora.safetensors"):
+        names = ("adapter_config.json", "adapter_model.safetensors", "fused_expert_lora.safetensors")
+        for name in (*names, "kt_adapter_manifest.json"):
             assert (d / name).is_file(), d / name
         fused = fused_tensors(d / "fused_expert_lora.safetensors")
         assert set(fused) == {f"layers.{L}.experts.{n}" for L in (0, 1) for n in shapes}
         for key, t in fused.items():
-            assert t.dtype.is_floating_point and str(t.dtype) == "torch.bfloat16", key
+            assert t.dtype == torch.float32, key  # the expert LoRA's training dtype: resume is exact
             assert tuple(t.shape) == shapes[key.split(".")[-1]], key
         with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
             keys = list(f.keys())
         assert keys and all("lora_" in k for k in keys)
         assert not any(".experts." in k for k in keys), "expert LoRA leaked into the PEFT file"
+    # a checkpoint's manifest is written last, over the trainer's files too (kt-ft's on_save callback)
+    listed = set(json.loads((out / "checkpoint-10" / "kt_adapter_manifest.json").read_text())["files"])
+    assert {*names, "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= listed, listed
+    assert set(json.loads((out / "kt_adapter_manifest.json").read_text())["files"]) == set(names)
     final = fused_tensors(out / "fused_expert_lora.safetensors")
     for key, t in final.items():
         if key.endswith("_b"):

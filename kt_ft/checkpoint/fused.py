@@ -1,9 +1,11 @@
 """``fused_expert_lora.safetensors``: the expert LoRA of every MoE layer, KTransformers' layout.
 
-Keys ``layers.{L}.experts.{gate|up|down}_lora_{a|b}`` (L: decoder-layer index), bf16, all
-experts stacked on dim 0: gate/up A [E, r, H], gate/up B [E, I, r], down A [E, r, I],
-down B [E, H, r]. Written to a temporary name and renamed, so a crash mid-save never leaves
-a truncated file under the real name.
+Keys ``layers.{L}.experts.{gate|up|down}_lora_{a|b}`` (L: decoder-layer index), all experts
+stacked on dim 0: gate/up A [E, r, H], gate/up B [E, I, r], down A [E, r, I], down B [E, H, r].
+Stored in the dtype the expert LoRA trains in (fp32 master weights), not rounded to bf16: a
+resume must continue from exactly the weights the optimizer state belongs to. Readers that
+want bf16 (KTransformers' kernels) cast on load. Written to a temporary name and renamed, so a
+crash mid-save never leaves a truncated file under the real name.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import KTConfigError
 from ..kernels.base import LORA_NAMES
+from .atomic import atomic_path
 
 FUSED_FILE = "fused_expert_lora.safetensors"
-FILE_DTYPE = torch.bfloat16
 
 
 def _file_key(layer: int, name: str) -> str:
@@ -33,11 +36,11 @@ def kt_expert_modules(model) -> list:
 
 
 def fused_state_dict(model) -> dict[str, torch.Tensor]:
-    """File key -> bf16 CPU tensor for every KTExperts module of ``model``."""
+    """File key -> CPU tensor (the parameter's own dtype) for every KTExperts module of ``model``."""
     out = {}
     for m in kt_expert_modules(model):
         for name in LORA_NAMES:
-            out[_file_key(m.layer_idx, name)] = getattr(m, name).detach().to("cpu", FILE_DTYPE).contiguous()
+            out[_file_key(m.layer_idx, name)] = getattr(m, name).detach().to("cpu").contiguous()
     return out
 
 
@@ -45,10 +48,21 @@ def save_fused_expert_lora(model, directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / FUSED_FILE
-    tmp = directory / f".{FUSED_FILE}.tmp-{os.getpid()}"
-    save_file(fused_state_dict(model), str(tmp), metadata={"format": "pt", "producer": "kt-ft"})
-    os.replace(tmp, target)
+    with atomic_path(target) as tmp:
+        save_file(fused_state_dict(model), str(tmp), metadata={"format": "pt", "producer": "kt-ft"})
     return target
+
+
+def fused_header(path: str | os.PathLike) -> dict[str, dict]:
+    """Key -> {"shape": [...], "dtype": "F32"} read from the safetensors header (no tensor data)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {
+                k: {"shape": list(f.get_slice(k).get_shape()), "dtype": f.get_slice(k).get_dtype()}
+                for k in sorted(f.keys())
+            }
+    except (SafetensorError, OSError, ValueError) as e:
+        raise KTConfigError(f"{path}: not a readable safetensors file ({e})") from e
 
 
 def load_fused_expert_lora(model, directory: str | os.PathLike) -> int:
@@ -62,7 +76,10 @@ def load_fused_expert_lora(model, directory: str | os.PathLike) -> int:
         raise KTConfigError(
             f"{path}: missing (expected kt-ft's expert LoRA beside adapter_model.safetensors)"
         )
-    tensors = load_file(str(path))
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise KTConfigError(f"{path}: not a readable safetensors file ({e}); truncated?") from e
     problems = []
     modules = kt_expert_modules(model)
     for m in modules:
@@ -74,6 +91,7 @@ def load_fused_expert_lora(model, directory: str | os.PathLike) -> int:
             elif tuple(tensors[key].shape) != tuple(param.shape):
                 problems.append(
                     f"{path}: key {key} has shape {tuple(tensors[key].shape)}, the model needs {tuple(param.shape)}"
+                    f" (LoRA rank {m.rank})"
                 )
     if problems:
         raise KTConfigError(problems)

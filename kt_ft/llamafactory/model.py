@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checkpoint.fused import FUSED_FILE, load_fused_expert_lora, save_fused_expert_lora
+from .. import __version__
+from ..checkpoint import (
+    KTAdapterInfo,
+    base_config_sha256,
+    load_kt_adapter_experts,
+    read_manifest,
+    save_kt_adapter,
+    verify_adapter_dir,
+)
+from ..checkpoint.manifest import CHECKPOINT_DIR
 from ..errors import KTConfigError
 from ..log import get_logger
 from ..models import family_of
@@ -17,6 +27,10 @@ from ..moe.patch import replace_routed_experts
 from ..rules import load_rules, make_plan, resolve_rule_path
 
 logger = get_logger(__name__)
+
+# kt-ft adds a "kt_ft" block to PEFT's adapter_config.json; PEFT ignores it but warns, wrongly,
+# that the file may come from a newer PEFT. Silence exactly that warning in kt-ft processes.
+warnings.filterwarnings("ignore", message=r"Unexpected keyword arguments \['kt_ft'\]", category=UserWarning)
 
 
 def _rss_gib() -> float:
@@ -45,22 +59,42 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     for note in plan.notes:
         logger.info(note)
 
+    adapters = model_args.adapter_name_or_path or []
+    if len(adapters) > 1:
+        raise KTConfigError(
+            f"adapter_name_or_path={adapters!r}: with use_kt, kt-ft loads the expert LoRA of one adapter; "
+            "merge the others first (kt-ft merge)"
+        )
+    src = adapters[-1] if adapters else None
     rank = finetuning_args.lora_rank
     alpha = finetuning_args.lora_alpha if finetuning_args.lora_alpha is not None else rank * 2
+    use_rslora = bool(finetuning_args.use_rslora)
+    if src is not None and not is_trainable:
+        # Inference: the adapter, not the chat/export recipe, says what rank the expert LoRA has.
+        lora = read_manifest(src)["lora"]
+        rank, alpha, use_rslora = lora["rank"], lora["alpha"], lora["use_rslora"]
     summary = replace_routed_experts(
-        model, plan, rank, lora_scaling(rank, alpha, finetuning_args.use_rslora), model_args.chunk_size
+        model, plan, rank, lora_scaling(rank, alpha, use_rslora), model_args.chunk_size
     )
+    info = KTAdapterInfo(
+        base_model=str(model_args.model_name_or_path),
+        base_config_sha256=base_config_sha256(model_args.model_name_or_path),
+        rank=rank,
+        alpha=alpha,
+        use_rslora=use_rslora,
+        layers=summary.layers,
+        num_experts=summary.num_experts,
+        targets=[_strip_peft_prefix(p.name) for p in plan.experts],
+        backend=summary.backend,
+        rule=str(rule_path),
+        kt_ft_version=__version__,
+    )
+    model._kt_ft_info = info
 
-    adapters = model_args.adapter_name_or_path or []
-    if adapters:
-        src = adapters[-1]
-        if not (Path(src) / FUSED_FILE).is_file():
-            raise KTConfigError(
-                f"{Path(src) / FUSED_FILE}: missing; adapter_name_or_path={src!r} has no kt-ft expert LoRA "
-                "(was it trained with use_kt: true?)"
-            )
-        load_fused_expert_lora(model, src)
-        logger.info(f"loaded expert LoRA from {Path(src) / FUSED_FILE}")
+    if src is not None:
+        # LLaMA-Factory has already loaded (and, for inference, merged) PEFT's non-expert part.
+        load_kt_adapter_experts(model, src, info, trainable=is_trainable)
+        logger.info(f"loaded expert LoRA from {src} (manifest, sizes and sha256 checked)")
 
     if not is_trainable:
         for m in model.modules():
@@ -68,7 +102,8 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
                 for p in m.lora_tensors():
                     p.requires_grad_(False)
 
-    _save_fused_with_adapter(model)
+    _hook_save_pretrained(model, info)
+    _hook_load_adapter(model, info)
     gpu_bytes = sum(
         p.numel() * p.element_size()
         for n, p in model.named_parameters()
@@ -90,19 +125,61 @@ def _is_routed_expert_param(name: str, model: Any) -> bool:
         return False
 
 
-def _save_fused_with_adapter(model: Any) -> None:
+def _strip_peft_prefix(name: str) -> str:
+    return name.removeprefix("base_model.model.")
+
+
+def _hook_save_pretrained(model: Any, info: KTAdapterInfo) -> None:
     """Make ``model.save_pretrained`` (what the Trainer calls for every checkpoint and the final
-    output) also write fused_expert_lora.safetensors into the same directory."""
+    output) crash-safe and make it write the fused expert LoRA and the manifest too.
+
+    In a trainer's checkpoint-N dir the manifest waits for the optimizer and trainer state
+    (``KTCheckpointCallback.on_save`` writes it) when that callback runs in this training."""
     original = model.save_pretrained
     if getattr(original, "_kt_ft", False):
         return
 
     @functools.wraps(original)
     def save_pretrained(save_directory, *args, **kwargs):
-        result = original(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True):
-            save_fused_expert_lora(model, save_directory)
-        return result
+        if not kwargs.get("is_main_process", True):
+            return original(save_directory, *args, **kwargs)
+        from peft import PeftModel
+
+        if not isinstance(model, PeftModel):
+            # `llamafactory-cli export`: PEFT's part is merged, but a full save would write the
+            # expert LoRA as stray tensors that loaders drop, silently: refuse, point to the tool.
+            raise KTConfigError(
+                f"export to {save_directory} with use_kt: LLaMA-Factory's export cannot fold the expert LoRA; "
+                "run `kt-ft merge ADAPTER_DIR OUT` (merged model) or `kt-ft convert ADAPTER_DIR OUT` (per-expert LoRA)"
+            )
+        defer = getattr(model, "_kt_ft_defer_checkpoint_manifest", False) and bool(
+            CHECKPOINT_DIR.fullmatch(Path(save_directory).name)
+        )
+        return save_kt_adapter(
+            model, save_directory, info, original, *args, with_manifest=not defer, **kwargs
+        )
 
     save_pretrained._kt_ft = True
     model.save_pretrained = save_pretrained
+
+
+def _hook_load_adapter(model: Any, info: KTAdapterInfo) -> None:
+    """The HF Trainer resumes a PEFT model with ``model.load_adapter(checkpoint_dir, name,
+    is_trainable=True)`` before it loads the optimizer state: check the checkpoint against its
+    manifest first (fail closed), let PEFT load its part, then load the expert LoRA and keep it
+    trainable (PEFT only manages ``lora_`` params)."""
+    original = getattr(model, "load_adapter", None)
+    if original is None or getattr(original, "_kt_ft", False):
+        return
+
+    @functools.wraps(original)
+    def load_adapter(model_id, adapter_name, *args, **kwargs):
+        is_trainable = kwargs.get("is_trainable", args[0] if args else False)
+        verify_adapter_dir(model_id, info)
+        result = original(model_id, adapter_name, *args, **kwargs)
+        load_kt_adapter_experts(model, model_id, info, trainable=bool(is_trainable), verify=False)
+        logger.info(f"resumed expert LoRA from {Path(model_id)} (manifest, sizes and sha256 checked)")
+        return result
+
+    load_adapter._kt_ft = True
+    model.load_adapter = load_adapter

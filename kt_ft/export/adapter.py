@@ -1,0 +1,71 @@
+"""Read a kt-ft adapter dir (checked against its manifest) for the exporters."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..checkpoint.fused import FUSED_FILE
+from ..checkpoint.manifest import KTAdapterInfo, info_from_manifest, verify_adapter_dir
+from ..errors import KTConfigError
+
+PEFT_PREFIX = "base_model.model."
+PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+@dataclass
+class KTAdapter:
+    """One adapter dir in memory.
+
+    ``peft_config``: adapter_config.json without kt-ft's block; ``peft_tensors``: PEFT's keys
+    (``base_model.model.<module>.lora_{A|B}.weight``); ``fused``: fused-file keys
+    ``layers.{L}.experts.{proj}_lora_{a|b}`` ([E, r, in] / [E, out, r]); ``targets``: decoder
+    layer index -> dotted name of its experts module in the base model.
+    """
+
+    path: Path
+    info: KTAdapterInfo
+    peft_config: dict
+    peft_tensors: dict[str, torch.Tensor]
+    fused: dict[str, torch.Tensor]
+    targets: dict[int, str]
+
+    @property
+    def scaling(self) -> float:
+        r, a = self.info.rank, self.info.alpha
+        return a / r**0.5 if self.info.use_rslora else a / r
+
+    def expert_lora(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [E, r, in], B [E, out, r]) of ``proj`` in gate, up, down."""
+        return self.fused[f"layers.{layer}.experts.{proj}_lora_a"], self.fused[
+            f"layers.{layer}.experts.{proj}_lora_b"
+        ]
+
+
+def read_kt_adapter(directory: str | os.PathLike) -> KTAdapter:
+    directory = Path(directory)
+    manifest = verify_adapter_dir(directory)  # sizes and sha256 of every file, before reading any
+    info = info_from_manifest(manifest)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config.pop("kt_ft", None)
+    unsupported = {k: config.get(k) for k in ("use_dora", "modules_to_save", "lora_bias") if config.get(k)}
+    if config.get("peft_type") != "LORA" or unsupported:
+        raise KTConfigError(
+            f"{directory / 'adapter_config.json'}: peft_type={config.get('peft_type')!r} {unsupported}: "
+            "kt-ft exports plain LoRA only"
+        )
+    if len(info.targets) != len(info.layers):
+        raise KTConfigError(f"{directory}: manifest experts.targets and experts.layers differ in length")
+    return KTAdapter(
+        path=directory,
+        info=info,
+        peft_config=config,
+        peft_tensors=load_file(str(directory / "adapter_model.safetensors")),
+        fused=load_file(str(directory / FUSED_FILE)),
+        targets=dict(zip(info.layers, info.targets, strict=True)),
+    )

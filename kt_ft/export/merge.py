@@ -1,0 +1,121 @@
+"""``kt-ft merge DIR OUT [--base PATH]``: fold the adapter into the base weights.
+
+W' = W + s * B @ A for every PEFT LoRA module and every expert (s = alpha / r, or
+alpha / sqrt(r) with rsLoRA), computed in fp32 and cast back to W's dtype. The base model's
+safetensors shards are streamed one at a time (one shard plus the adapter in RAM) and written
+under the same names, so its index file stays valid; config, tokenizer and other files are
+copied. Experts may be stored per expert (``{T}.{e}.gate_proj.weight`` [I, H], as hub
+checkpoints are) or fused (``{T}.gate_up_proj`` [E, 2I, H], ``{T}.down_proj`` [E, H, I]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..checkpoint.atomic import atomic_path, sha256_file
+from ..errors import KTConfigError
+from .adapter import PEFT_PREFIX, PROJ, KTAdapter, read_kt_adapter
+
+Delta = Callable[[], torch.Tensor]  # computed lazily, when its shard is written
+
+
+def _peft_deltas(adapter: KTAdapter) -> dict[str, Delta]:
+    """Base weight key -> s * B @ A for each PEFT LoRA module ([out, in])."""
+    s = adapter.scaling
+    out = {}
+    for key, a in adapter.peft_tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        b = adapter.peft_tensors[key.replace(".lora_A.", ".lora_B.")]
+        out[f"{module}.weight"] = lambda a=a, b=b: s * (b.float() @ a.float())
+    unknown = [k for k in adapter.peft_tensors if not (".lora_A." in k or ".lora_B." in k)]
+    if unknown:
+        raise KTConfigError(
+            f"{adapter.path}/adapter_model.safetensors: keys merge cannot fold: {unknown[:5]}"
+        )
+    return out
+
+
+def _expert_deltas(adapter: KTAdapter, names: set[str]) -> dict[str, Delta]:
+    """Base key -> delta for every expert, per-expert or fused, whichever the base stores."""
+    s = adapter.scaling
+    out = {}
+    for layer, target in adapter.targets.items():
+        lora = {p: adapter.expert_lora(layer, p) for p in PROJ}  # A [E, r, in], B [E, out, r]
+
+        def fused(*projs, lora=lora):
+            return s * torch.cat([torch.bmm(lora[p][1].float(), lora[p][0].float()) for p in projs], dim=1)
+
+        if f"{target}.gate_up_proj" in names:
+            out[f"{target}.gate_up_proj"] = lambda f=fused: f("gate", "up")  # [E, 2I, H], gate rows first
+            out[f"{target}.down_proj"] = lambda f=fused: f("down")  # [E, H, I]
+            continue
+        for proj, module in PROJ.items():
+            a, b = lora[proj]
+            for e in range(a.shape[0]):
+                out[f"{target}.{e}.{module}.weight"] = lambda a=a[e], b=b[e]: s * (b.float() @ a.float())
+    return out
+
+
+def _shards(base: Path) -> list[str]:
+    index = base / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if (base / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise KTConfigError(
+        f"{base}: no model.safetensors or model.safetensors.index.json (merge reads safetensors)"
+    )
+
+
+def merge_adapter(
+    src: str | os.PathLike, out: str | os.PathLike, base: str | os.PathLike | None = None
+) -> Path:
+    adapter = read_kt_adapter(src)
+    base = Path(base or adapter.info.base_model)
+    config = base / "config.json"
+    if not config.is_file():
+        raise KTConfigError(f"{config}: missing; pass --base with the local base model directory")
+    if sha256_file(config) != adapter.info.base_config_sha256:
+        raise KTConfigError(
+            f"{config}: sha256 differs from base_model.config_sha256 in {adapter.path}/kt_adapter_manifest.json: "
+            "the adapter was trained on another base model"
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = _shards(base)
+    names = set()
+    for shard in shards:
+        with safe_open(str(base / shard), "pt") as f:
+            names.update(f.keys())
+    deltas = {**_peft_deltas(adapter), **_expert_deltas(adapter, names)}
+    missing = sorted(set(deltas) - names)
+    if missing:
+        raise KTConfigError(f"{base}: the adapter has LoRA for weights the base model lacks: {missing[:5]}")
+
+    for shard in tqdm(shards, desc="merging shards", unit="shard"):
+        merged = {}
+        with safe_open(str(base / shard), "pt") as f:
+            metadata = f.metadata()
+            for key in f.keys():
+                t = f.get_tensor(key)
+                if key in deltas:
+                    t = (t.float() + deltas[key]()).to(t.dtype)
+                merged[key] = t
+        with atomic_path(out / shard) as tmp:
+            save_file(merged, str(tmp), metadata=metadata or {"format": "pt"})
+        del merged
+    for p in base.iterdir():
+        if p.is_file() and not p.name.endswith((".safetensors", ".bin", ".pt", ".pth")):
+            shutil.copy2(p, out / p.name)
+    return out

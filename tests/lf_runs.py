@@ -1,0 +1,78 @@
+"""Helpers to run `llamafactory-cli train` on the demo recipe as a subprocess (tests only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "demo_tiny_qwen3moe.yaml"
+CLI = Path(sys.executable).with_name("llamafactory-cli")
+MANIFEST = "kt_adapter_manifest.json"
+
+
+def start_train(demo_assets: Path, out: Path, **overrides) -> subprocess.Popen:
+    """Start the demo recipe (fp32, dataloader_num_workers 0, seed 42) with ``key=value`` overrides."""
+    args = {
+        "model_name_or_path": demo_assets / "model",
+        "dataset_dir": demo_assets / "data",
+        "output_dir": out,
+        "logging_steps": 1,
+        "save_steps": 3,
+        **overrides,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 (closed by finish())
+    proc = subprocess.Popen(
+        [str(CLI), "train", str(RECIPE), *(f"{k}={v}" for k, v in args.items())],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    )
+    proc.log_path = log.name
+    proc.log_file = log
+    return proc
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    rc = proc.wait(timeout=timeout)
+    proc.log_file.close()
+    return rc, Path(proc.log_path).read_text()
+
+
+def kill_when_complete(proc: subprocess.Popen, checkpoint: Path, timeout: float = 300) -> None:
+    """SIGKILL ``proc`` as soon as ``checkpoint``'s manifest exists (the save is complete)."""
+    deadline = time.monotonic() + timeout
+    while not (checkpoint / MANIFEST).is_file():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (rc {proc.returncode}) before {checkpoint} was complete")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{checkpoint} not complete after {timeout} s")
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.log_file.close()
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    """step -> training loss from trainer_state.json's log_history (logging_steps=1)."""
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """PEFT adapter + fused expert LoRA tensors of an adapter dir, keys prefixed by file."""
+    out = {}
+    for name in ("adapter_model.safetensors", "fused_expert_lora.safetensors"):
+        out.update({f"{name}:{k}": v for k, v in load_file(str(directory / name)).items()})
+    return out
