@@ -4,7 +4,7 @@ For each family's tiny demo model (dense layers, shared experts, grouped / sigmo
 hybrid attention as the family has them), both models start from the same init, with PEFT
 LoRA on every nn.Linear but the router and lm_head (attention, shared experts and their
 gate, dense MLPs) and a trainable router weight, and take the same AdamW steps.
-Tolerances (fp32): losses rel 1e-5 per step; final expert LoRA abs 1e-4 and router weight
+Tolerances (fp32, SGD steps): losses rel 1e-5 per step; final expert LoRA abs 1e-4 and router weight
 grads of the first step rel 1e-4 / abs 1e-6 (summation order differs between the grouped
 kernel and the per-expert loop).
 """
@@ -68,9 +68,13 @@ def _fix_hf_deepseek_v2(model) -> None:
 
 
 def _train(model, batches) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """STEPS AdamW steps; returns the losses and the router weight grads of the first step."""
+    """STEPS SGD steps; returns the losses and the router weight grads of the first step.
+
+    SGD, not AdamW: Adam divides each gradient by its own running magnitude, so an element whose
+    gradient is fp32 rounding noise (~1e-9, next to eps 1e-8) moves by up to lr in one
+    implementation and not in the other; SGD keeps the final tensors linear in the gradients."""
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     losses, router_grads = [], {}
     for step in range(STEPS):
         ids = batches[step % len(batches)]
