@@ -71,8 +71,13 @@ def step_losses(out: Path) -> dict[int, float]:
 
 
 def adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """PEFT adapter + fused expert LoRA tensors of an adapter dir, keys prefixed by file."""
+    """PEFT adapter + expert LoRA (bf16 fused file and fp32 master) tensors of an adapter dir,
+    keys prefixed by file."""
     out = {}
-    for name in ("adapter_model.safetensors", "fused_expert_lora.safetensors"):
+    for name in (
+        "adapter_model.safetensors",
+        "fused_expert_lora.safetensors",
+        "kt_expert_lora_master.safetensors",
+    ):
         out.update({f"{name}:{k}": v for k, v in load_file(str(directory / name)).items()})
     return out

@@ -25,9 +25,10 @@ def test_saved_dir_layout(saved_adapter):
         "adapter_config.json",
         "adapter_model.safetensors",
         "fused_expert_lora.safetensors",
+        "kt_expert_lora_master.safetensors",
     }
     assert manifest["lora"] == {"rank": 8, "alpha": 16, "use_rslora": False}
-    assert manifest["fused_tensors"]["layers.1.experts.down_lora_b"] == {"shape": [8, 64, 8], "dtype": "F32"}
+    assert manifest["fused_tensors"]["layers.1.experts.down_lora_b"] == {"shape": [8, 64, 8], "dtype": "BF16"}
     block = json.loads((out / "adapter_config.json").read_text())["kt_ft"]
     assert block["expert_targets"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert (block["r"], block["lora_alpha"], block["backend"]) == (8, 16, "torch")

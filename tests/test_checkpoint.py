@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import tiny_model
 
-from kt_ft.checkpoint import FUSED_FILE, load_fused_expert_lora, save_fused_expert_lora
+from kt_ft.checkpoint import FUSED_FILE, MASTER_FILE, load_fused_expert_lora, save_fused_expert_lora
 from kt_ft.errors import KTConfigError
 from kt_ft.models import FAMILIES
 from kt_ft.moe.experts import KTExperts
@@ -29,20 +29,26 @@ def test_round_trip_and_layout(tmp_path):
             if isinstance(m, KTExperts):
                 m.down_b.normal_()
     save_fused_expert_lora(src, tmp_path)
-    assert not [p for p in tmp_path.iterdir() if p.name != FUSED_FILE], "temporary file left behind"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([FUSED_FILE, MASTER_FILE]), (
+        "temporary file left"
+    )
     tensors = load_file(str(tmp_path / FUSED_FILE))
     assert tensors["layers.1.experts.gate_lora_a"].shape == (8, 4, 64)
     assert tensors["layers.1.experts.down_lora_b"].shape == (8, 64, 4)
-    assert all(t.dtype == torch.float32 for t in tensors.values()), "stored in the training dtype (lossless)"
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values()), "KTransformers' interchange dtype"
+    master = load_file(str(tmp_path / MASTER_FILE))
+    assert master.keys() == tensors.keys() and all(t.dtype == torch.float32 for t in master.values())
+
+    def kt_lora(model):
+        return [t for m in model.modules() if isinstance(m, KTExperts) for t in m.lora_tensors()]
 
     dst = kt_model(seed=2)
+    assert load_fused_expert_lora(dst, tmp_path) == 2  # from the master copy: exact
+    assert all(torch.equal(a, b) for a, b in zip(kt_lora(src), kt_lora(dst)))
+    (tmp_path / MASTER_FILE).unlink()  # e.g. an adapter made by KTransformers: bf16 only
+    dst = kt_model(seed=3)
     assert load_fused_expert_lora(dst, tmp_path) == 2
-    for a, b in zip(
-        [m for m in src.modules() if isinstance(m, KTExperts)],
-        [m for m in dst.modules() if isinstance(m, KTExperts)],
-    ):
-        for ta, tb in zip(a.lora_tensors(), b.lora_tensors()):
-            assert torch.equal(ta, tb)
+    assert all(torch.equal(a.to(torch.bfloat16).float(), b) for a, b in zip(kt_lora(src), kt_lora(dst)))
 
 
 def test_missing_file_and_wrong_shapes_fail_closed(tmp_path):
@@ -55,8 +61,8 @@ def test_missing_file_and_wrong_shapes_fail_closed(tmp_path):
         match=r"layers.0.experts.gate_lora_a has shape \(8, 2, 64\), the model needs \(8, 4, 64\)",
     ):
         load_fused_expert_lora(model, tmp_path)
-    t = load_file(str(tmp_path / FUSED_FILE))
+    t = load_file(str(tmp_path / MASTER_FILE))
     del t["layers.1.experts.up_lora_b"]
-    save_file(t, str(tmp_path / FUSED_FILE))
+    save_file(t, str(tmp_path / MASTER_FILE))
     with pytest.raises(KTConfigError, match="layers.1.experts.up_lora_b missing"):
         load_fused_expert_lora(kt_model(rank=2), tmp_path)

@@ -59,13 +59,18 @@ def test_checkpoints_hold_split_artifacts(demo_run):
     shapes = {"gate_lora_a": (E, r, H), "gate_lora_b": (E, I, r), "up_lora_a": (E, r, H), "up_lora_b": (E, I, r),
               "down_lora_a": (E, r, I), "down_lora_b": (E, H, r)}  # fmt: skip
     for d in (out / "checkpoint-10", out / "checkpoint-20", out):
-        names = ("adapter_config.json", "adapter_model.safetensors", "fused_expert_lora.safetensors")
+        names = (
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "fused_expert_lora.safetensors",
+            "kt_expert_lora_master.safetensors",
+        )
         for name in (*names, "kt_adapter_manifest.json"):
             assert (d / name).is_file(), d / name
         fused = fused_tensors(d / "fused_expert_lora.safetensors")
         assert set(fused) == {f"layers.{L}.experts.{n}" for L in (0, 1) for n in shapes}
         for key, t in fused.items():
-            assert t.dtype == torch.float32, key  # the expert LoRA's training dtype: resume is exact
+            assert t.dtype == torch.bfloat16, key  # KTransformers' interchange dtype
             assert tuple(t.shape) == shapes[key.split(".")[-1]], key
         with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
             keys = list(f.keys())

@@ -2,10 +2,12 @@
 
 Keys ``layers.{L}.experts.{gate|up|down}_lora_{a|b}`` (L: decoder-layer index), all experts
 stacked on dim 0: gate/up A [E, r, H], gate/up B [E, I, r], down A [E, r, I], down B [E, H, r].
-Stored in the dtype the expert LoRA trains in (fp32 master weights), not rounded to bf16: a
-resume must continue from exactly the weights the optimizer state belongs to. Readers that
-want bf16 (KTransformers' kernels) cast on load. Written to a temporary name and renamed, so a
-crash mid-save never leaves a truncated file under the real name.
+bf16, as KTransformers' tooling writes and reads it. The expert LoRA trains in fp32, and a
+resume must continue from exactly the weights its optimizer state belongs to, so the same
+tensors in their training dtype go beside it as ``kt_expert_lora_master.safetensors``; loading
+prefers that file and falls back to the bf16 one (e.g. an adapter from KTransformers). Both
+are written to a temporary name and renamed, so a crash mid-save never leaves a truncated
+file under the real name.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ..kernels.base import LORA_NAMES
 from .atomic import atomic_path
 
 FUSED_FILE = "fused_expert_lora.safetensors"
+MASTER_FILE = "kt_expert_lora_master.safetensors"
+FILE_DTYPE = torch.bfloat16
 
 
 def _file_key(layer: int, name: str) -> str:
@@ -35,22 +39,25 @@ def kt_expert_modules(model) -> list:
     return [m for m in model.modules() if isinstance(m, KTExperts)]
 
 
-def fused_state_dict(model) -> dict[str, torch.Tensor]:
-    """File key -> CPU tensor (the parameter's own dtype) for every KTExperts module of ``model``."""
+def fused_state_dict(model, dtype: torch.dtype | None = FILE_DTYPE) -> dict[str, torch.Tensor]:
+    """File key -> CPU tensor in ``dtype`` (None: the parameter's own) for every KTExperts module."""
     out = {}
     for m in kt_expert_modules(model):
         for name in LORA_NAMES:
-            out[_file_key(m.layer_idx, name)] = getattr(m, name).detach().to("cpu").contiguous()
+            t = getattr(m, name).detach().to("cpu")
+            out[_file_key(m.layer_idx, name)] = (t if dtype is None else t.to(dtype)).contiguous()
     return out
 
 
 def save_fused_expert_lora(model, directory: str | os.PathLike) -> Path:
+    """Write the bf16 fused file and the training-dtype master copy; return the fused file's path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / FUSED_FILE
-    with atomic_path(target) as tmp:
-        save_file(fused_state_dict(model), str(tmp), metadata={"format": "pt", "producer": "kt-ft"})
-    return target
+    meta = {"format": "pt", "producer": "kt-ft"}
+    for name, dtype in ((MASTER_FILE, None), (FUSED_FILE, FILE_DTYPE)):
+        with atomic_path(directory / name) as tmp:
+            save_file(fused_state_dict(model, dtype), str(tmp), metadata=meta)
+    return directory / FUSED_FILE
 
 
 def fused_header(path: str | os.PathLike) -> dict[str, dict]:
@@ -65,13 +72,21 @@ def fused_header(path: str | os.PathLike) -> dict[str, dict]:
         raise KTConfigError(f"{path}: not a readable safetensors file ({e})") from e
 
 
-def load_fused_expert_lora(model, directory: str | os.PathLike) -> int:
-    """Copy the expert LoRA from ``directory``'s fused file into the model; return layers loaded.
+def expert_lora_file(directory: str | os.PathLike) -> Path:
+    """The file to read the expert LoRA from: the training-dtype master copy if present, else
+    the bf16 fused file (which may not exist: callers report that)."""
+    master = Path(directory) / MASTER_FILE
+    return master if master.is_file() else Path(directory) / FUSED_FILE
 
+
+def load_fused_expert_lora(model, directory: str | os.PathLike) -> int:
+    """Copy the expert LoRA from ``directory`` into the model; return layers loaded.
+
+    Reads the training-dtype master copy when present (exact resume), else the bf16 fused file.
     Every KTExperts layer must be in the file with the right shapes: anything missing or
     mismatched is an error naming the file and the key, never a silent fresh start.
     """
-    path = Path(directory) / FUSED_FILE
+    path = expert_lora_file(directory)
     if not path.is_file():
         raise KTConfigError(
             f"{path}: missing (expected kt-ft's expert LoRA beside adapter_model.safetensors)"

@@ -9,7 +9,7 @@ checks it first and refuses, naming the file and the mismatch, anything that doe
      "lora": {"rank": r, "alpha": a, "use_rslora": false},
      "experts": {"layers": [L, ...], "num_experts": E, "targets": [...], "backend": ..., "rule": ...},
      "files": {"adapter_model.safetensors": {"size": bytes, "sha256": hex}, ...},
-     "fused_tensors": {"layers.0.experts.gate_lora_a": {"shape": [E, r, H], "dtype": "F32"}, ...}}
+     "fused_tensors": {"layers.0.experts.gate_lora_a": {"shape": [E, r, H], "dtype": "BF16"}, ...}}
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from pathlib import Path
 
 from ..errors import KTConfigError
 from .atomic import sha256_file, write_json_atomic
-from .fused import FUSED_FILE, fused_header
+from .fused import FUSED_FILE, MASTER_FILE, fused_header
 
 MANIFEST_FILE = "kt_adapter_manifest.json"
 FORMAT = "kt-ft-adapter"
 FORMAT_VERSION = 1
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", FUSED_FILE)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", FUSED_FILE, MASTER_FILE)
 # What the HF Trainer adds to a checkpoint-N dir (rng_state_{rank}.pth with several processes).
 TRAINER_FILE_PATTERN = re.compile(
     r"(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|trainer_state\.json)"

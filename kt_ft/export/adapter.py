@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..checkpoint.fused import FUSED_FILE
+from ..checkpoint.fused import expert_lora_file
 from ..checkpoint.manifest import KTAdapterInfo, info_from_manifest, verify_adapter_dir
 from ..errors import KTConfigError
 
@@ -66,6 +66,6 @@ def read_kt_adapter(directory: str | os.PathLike) -> KTAdapter:
         info=info,
         peft_config=config,
         peft_tensors=load_file(str(directory / "adapter_model.safetensors")),
-        fused=load_file(str(directory / FUSED_FILE)),
+        fused=load_file(str(expert_lora_file(directory))),
         targets=dict(zip(info.layers, info.targets, strict=True)),
     )
