@@ -21,7 +21,7 @@ THREADS=${THREADS:-$(nproc)}
   python3 -c "import kt_kernel; print('kt_kernel variant', kt_kernel.__cpu_variant__)"
 } 2>&1 | tee "$OUT/env.txt"
 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py \
+  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py \
   2>&1 | tee "$OUT/pytest.log"
 timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --tokens "${TOKENS:-512,2048,4096}" \
   --threads "$THREADS" --repeat 2 --json "$OUT/bench.json" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|case/s\]$" | tee "$OUT/bench.log"

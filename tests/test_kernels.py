@@ -120,3 +120,22 @@ def test_function_returns_input_dtype_and_no_grad_path(rng):
 def test_expert_weights_shapes():
     base = ExpertWeights(torch.zeros(3, 10, 4), torch.zeros(3, 4, 5))
     assert (base.num_experts, base.hidden, base.intermediate) == (3, 4, 5)
+
+
+def test_torch_backend_recycles_saved_buffers_safely(rng):
+    """A layer's saved buffers are reused by its next forward once its backward ran; a second
+    backward through the old context after that refuses instead of reading the new call's data."""
+    base, lora, x, ids, w, gy = make_problem(20, 4, 2, 32, 16, 2, torch.float32, rng)
+    be = BACKENDS["torch"]()
+    out1, ctx1 = be.forward(x, ids, w, base, lora, 1.0, True)
+    g1 = be.backward(ctx1, gy)
+    g1_again = be.backward(ctx1, gy)  # retain_graph-style repeat before any new forward: fine
+    torch.testing.assert_close(g1[0], g1_again[0], rtol=0, atol=0)
+    out2, ctx2 = be.forward(x * 2, ids, w, base, lora, 1.0, True)
+    assert ctx2.xs.data_ptr() == ctx1.xs.data_ptr(), "saved buffers were not recycled"
+    with pytest.raises(RuntimeError, match="saved state was reused"):
+        be.backward(ctx1, gy)
+    fresh = BACKENDS["torch"]()
+    expect = fresh.backward(fresh.forward(x * 2, ids, w, base, lora, 1.0, True)[1], gy)
+    for got, want in zip(be.backward(ctx2, gy), expect):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -56,6 +56,26 @@ class _Workspace:
 _WS = _Workspace()
 
 
+class _SavedBuffers:
+    """The four large tensors a forward keeps for its backward (xs, gu, p, pd), recycled per
+    layer: a set returns to its backend's free list when its backward has run, so the next
+    forward of that layer writes into already-mapped memory. ``generation`` changes on every
+    reuse; a backward on a context whose set was taken again refuses instead of reading
+    another call's data."""
+
+    def __init__(self) -> None:
+        self.flat: dict[str, torch.Tensor] = {}
+        self.generation = 0
+
+    def view(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = shape[0] * shape[1]
+        buf = self.flat.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype)
+            self.flat[key] = buf
+        return buf[:numel].view(shape)
+
+
 @dataclass
 class _Ctx:
     base: ExpertWeights
@@ -72,6 +92,8 @@ class _Ctx:
     b_gu: torch.Tensor  # [E, 2I, 2r] block-diagonal
     shape: tuple[int, int]  # (T, k)
     scaling: float
+    saved: _SavedBuffers  # owner of xs, gu, p, pd
+    generation: int  # saved.generation when this context was made
 
 
 def _expert_slices(counts: list[int]):
@@ -119,6 +141,14 @@ def _block_diag_b(gate_b: torch.Tensor, up_b: torch.Tensor) -> torch.Tensor:
 class GroupedTorchBackend(ExpertBackend):
     name = "torch"
 
+    def __init__(self) -> None:
+        self._free: list[_SavedBuffers] = []
+
+    def _take_saved(self) -> _SavedBuffers:
+        saved = self._free.pop() if self._free else _SavedBuffers()
+        saved.generation += 1
+        return saved
+
     def forward(self, x, ids, weights, base: ExpertWeights, lora: LoraTensors, scaling, needs_grad):
         dt = base.gate_up.dtype
         num_experts, two_i, hidden = base.gate_up.shape
@@ -131,11 +161,17 @@ class GroupedTorchBackend(ExpertBackend):
         b_gu = _block_diag_b(lc.gate_b, lc.up_b)
 
         tok, inv, ws, counts = _route(ids, weights.to(dt), num_experts)
-        xs = x.to(dt).index_select(0, tok)  # [N, H]
-        n_pairs = xs.shape[0]
+        n_pairs = tok.numel()
+        saved = self._take_saved() if needs_grad else None
 
-        gu = torch.empty(n_pairs, two_i, dtype=dt)
-        p = torch.empty(n_pairs, 2 * rank, dtype=dt)
+        def buf(key, cols):  # saved for backward: recycled per layer; else call-local scratch
+            shape = (n_pairs, cols)
+            return saved.view(key, shape, dt) if saved is not None else _WS.get(f"f_{key}", shape, dt)
+
+        xs = torch.index_select(x.to(dt), 0, tok, out=buf("xs", hidden))  # [N, H]
+
+        gu = buf("gu", two_i)
+        p = buf("p", 2 * rank)
         lo = _WS.get("f_lo_gu", (n_pairs, two_i), dt)
         # one loop per product kind: alternating big and rank-sized products per expert measured
         # several times slower on the Xeon than running each kind back to back
@@ -150,7 +186,7 @@ class GroupedTorchBackend(ExpertBackend):
 
         h = F.silu(gu[:, :inter]) * gu[:, inter:]  # [N, I]
         d = _WS.get("f_d", (n_pairs, hidden), dt)
-        pd = torch.empty(n_pairs, rank, dtype=dt)
+        pd = buf("pd", rank)
         lo = _WS.get("f_lo_d", (n_pairs, hidden), dt)
         for e, sl in _expert_slices(counts):
             torch.mm(h[sl], lc.down_a[e].t(), out=pd[sl])
@@ -166,9 +202,16 @@ class GroupedTorchBackend(ExpertBackend):
         out = torch.bmm(weights.to(dt).view(t, 1, k), d_tok).view(t, hidden)
         if not needs_grad:
             return out, None
-        return out, _Ctx(base, xs, tok, inv, counts, ws, gu, p, pd, lc, a_gu, b_gu, (t, k), s)
+        return out, _Ctx(
+            base, xs, tok, inv, counts, ws, gu, p, pd, lc, a_gu, b_gu, (t, k), s, saved, saved.generation
+        )
 
     def backward(self, ctx: _Ctx, grad_out: torch.Tensor):
+        if ctx.saved.generation != ctx.generation:
+            raise RuntimeError(
+                "kt-ft torch backend: this forward's saved state was reused by a later forward of the "
+                "same layer (a second backward through an old graph after a new forward is not supported)"
+            )
         base, lc, s, ws = ctx.base, ctx.lora, ctx.scaling, ctx.ws
         dt = ctx.xs.dtype
         acc = accum_dtype(dt)
@@ -239,4 +282,6 @@ class GroupedTorchBackend(ExpertBackend):
 
         grad_x = dxs.index_select(0, ctx.inv).view(t, k, hidden).sum(1, dtype=acc)
         grad_w = grad_ws.index_select(0, ctx.inv).view(t, k)
+        if ctx.saved not in self._free:  # a repeated backward (retain_graph) returns it once
+            self._free.append(ctx.saved)
         return grad_x, grad_w, LoraTensors(**{n: grads[n].to(acc) for n in lc._fields})
