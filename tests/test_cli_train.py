@@ -25,17 +25,16 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "demo_tiny_qwen3moe.yaml"
 
 
-@pytest.fixture(scope="module")
-def demo_run(demo_assets, tmp_path_factory):
-    out = tmp_path_factory.mktemp("train") / "out"
+def train_cli(assets: Path, out: Path, *extra: str) -> str:
+    """`llamafactory-cli train` on the demo recipe with the assets of ``assets``; returns its log."""
     cli = Path(sys.executable).with_name("llamafactory-cli")
     overrides = [
-        f"model_name_or_path={demo_assets / 'model'}",
-        f"dataset_dir={demo_assets / 'data'}",
+        f"model_name_or_path={assets / 'model'}",
+        f"dataset_dir={assets / 'data'}",
         f"output_dir={out}",
     ]
     proc = subprocess.run(
-        [str(cli), "train", str(RECIPE), *overrides],
+        [str(cli), "train", str(RECIPE), *overrides, *extra],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -44,7 +43,13 @@ def demo_run(demo_assets, tmp_path_factory):
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    return out, log
+    return log
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "out"
+    return out, train_cli(demo_assets, out)
 
 
 def fused_tensors(path: Path) -> dict:
@@ -114,24 +119,7 @@ def test_llamafactory_cli_trains_each_family(family, tmp_path):
         pytest.skip(f"{family}: model type {FAMILIES[family].demo_type!r} is not in this transformers")
     assets = make_demo_model(tmp_path / "demo", family=family)
     out = tmp_path / "out"
-    cli = Path(sys.executable).with_name("llamafactory-cli")
-    overrides = [
-        f"model_name_or_path={assets / 'model'}",
-        f"dataset_dir={assets / 'data'}",
-        f"output_dir={out}",
-        "max_steps=4",
-        "save_steps=4",
-        "logging_steps=1",
-    ]
-    proc = subprocess.run(
-        [str(cli), "train", str(RECIPE), *overrides],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-        timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    train_cli(assets, out, "max_steps=4", "save_steps=4", "logging_steps=1")
     config = AutoConfig.from_pretrained(assets / "model")
     fused = fused_tensors(out / "fused_expert_lora.safetensors")
     layers = sorted({int(k.split(".")[1]) for k in fused})
