@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tiny_models import tiny_model
@@ -321,3 +323,35 @@ def test_gpu_experts_are_planned_but_refused_for_a_run(tmp_path):
         KTConfigError, match=r"bad.yaml:1: gpu_experts: expert ids \[9\] do not exist .*valid: 0-7"
     ):
         plan_of(bad, planning_only=True)
+
+
+@pytest.mark.parametrize("name", builtin_rule_names())
+def test_shipped_rule_plans_a_tiny_model_of_its_family(name):
+    """Every shipped rule: its header names its preview command, it loads, and every rule of the
+    file matches a (meta) tiny model of its family; rules written for a layer count say it."""
+    from transformers import AutoConfig
+
+    from kt_ft.rules.skeleton import meta_model
+
+    path = resolve_rule_path(name)
+    text = path.read_text()
+    assert f"# Preview: kt-ft rules plan --rule {name} --model DIR" in text
+    family = FAMILIES[name.split("-")[0]]
+    cfg = dict(family.demo_config)
+    layers = re.search(r"\((\d+) layers", text.splitlines()[0])
+    if layers:
+        cfg["num_hidden_layers"] = int(layers.group(1))
+        cfg.pop("layer_types", None)
+    config = AutoConfig.for_model(family.demo_type, vocab_size=97, **cfg)
+    plan = make_plan(
+        meta_model(config, torch.bfloat16), load_rules(path), family, "auto", 2, planning_only=True
+    )
+    assert len(plan.experts) >= 1 and all(e.device == "cpu" for e in plan.experts)
+    if name.endswith("-2gpu"):
+        assert {d for d in plan.module_devices.values()} == {"cpu", "cuda:0", "cuda:1"}
+        assert plan.refusals and "not implemented yet" in plan.refusals[0]
+    else:
+        assert not plan.refusals
+    for backend in ("torch", "kt-kernel"):
+        if name.endswith(f"-{backend}"):
+            assert {e.backend for e in plan.experts} == {backend}

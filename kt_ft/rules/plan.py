@@ -1,8 +1,8 @@
 """Turn a RuleSet and a model into a placement plan: which module goes where, how experts run.
 
 Walks ``model.named_modules()`` once; the first matching rule wins; ``recursive: false``
-hands a matched module's whole subtree to that rule. Always errors: a rule that matches no
-module, GPU-expert ids or counts the model does not have, and (for a run) a device this
+hands a matched module's whole subtree to that rule. Always errors: a rule of the file itself
+(included rules may be overridden) that matches no module, GPU-expert ids or counts the model does not have, and (for a run) a device this
 machine does not have. Placements the schema accepts but this version cannot run yet
 (routed experts off the CPU, ``gpu_experts``, non-expert modules on another device than the
 default) are *refusals*: errors for a run, kept in ``plan.refusals`` for a planning-only call
@@ -120,7 +120,9 @@ def make_plan(
         if rule is not None:
             hits[id(rule)] += 1
     for rule in rules.rules:
-        if hits[id(rule)] == 0:
+        # an included rule may be overridden on purpose by the including file: only the file's own
+        # rules must match something
+        if hits[id(rule)] == 0 and rule.source == rules.source:
             problems.append(f"{rule.where}: {rule.describe()} matches no module of this model")
     notes = []
     lacking = missing_devices(rules, cuda_device_count())
