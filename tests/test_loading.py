@@ -120,3 +120,31 @@ def test_load_peak_rss_is_one_copy_of_what_stays_in_ram(checkpoints):
         assert r["other_devices"] == ["cuda:0"]
         # nothing of the experts went through the GPU
         assert r["gpu_peak"] < r["other_bytes"] + 8 * MiB < r["expert_bytes"]
+
+
+def test_llamafactory_refuses_a_rule_before_reading_weights(demo_assets, tmp_path, monkeypatch):
+    pytest.importorskip("llamafactory")
+    from llamafactory.hparams import get_train_args
+    from llamafactory.model import load_model, load_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from kt_ft.errors import KTConfigError
+
+    rule = tmp_path / "gpu.yaml"
+    rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, gpu_experts: 2}\n")
+    args = dict(
+        model_name_or_path=str(demo_assets / "model"), stage="sft", do_train=True, finetuning_type="lora",
+        lora_target="all", dataset_dir=str(demo_assets / "data"), dataset="kt_demo", template="qwen",
+        output_dir=str(tmp_path / "out"), report_to="none", use_kt=True, cpu_infer=1, kt_optimize_rule=str(rule),
+    )  # fmt: skip
+    model_args, _, _, finetuning_args, _ = get_train_args(args)
+    tokenizer = load_tokenizer(model_args)["tokenizer"]
+
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded before the rule was refused")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(
+        KTConfigError, match=r"gpu.yaml:1: gpu_experts on model.layers.0.mlp.experts: not implemented yet"
+    ):
+        load_model(tokenizer, model_args, finetuning_args, is_trainable=True)

@@ -167,7 +167,10 @@ def make_plan(
             continue
         if any(name.startswith(f"{e}.") for e in expert_names):
             continue
-        if rule.device != rules.default_device:
+        differs = rule.device != rules.default_device
+        if differs and not planning_only and not lacking:  # e.g. cpu vs cuda on a CPU-only machine
+            differs = resolve_device(rule.device)[0] != default_device
+        if differs:
             refusals.append(
                 f"{rule.where}: module {name} placed on {rule.device!r}; this version of kt-ft runs every "
                 f"non-expert module on the training device ({rules.default_device!r}); multi-device "
