@@ -24,7 +24,9 @@ def _rules_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rule_and_model(rule: str, model_dir: str | None, cpu_infer: int | None, kt_backend: str = "auto"):
+def _rule_and_model(
+    rule: str, model_dir: str | None, cpu_infer: int | None, kt_backend: str = "auto", cuda_count=None
+):
     """rule file -> RuleSet; with a model dir also its meta skeleton and planning-only plan."""
     from .rules import load_rules, resolve_rule_path
 
@@ -35,7 +37,7 @@ def _rule_and_model(rule: str, model_dir: str | None, cpu_infer: int | None, kt_
         raise KTConfigError(
             f"{rule}: no such rule file or built-in rule; built-in rules: {', '.join(builtin_rule_names())}"
         )
-    rules = load_rules(path)
+    rules = load_rules(path, cuda_count)
     if model_dir is None:
         return rules, None, None, None
     from .hparams import default_cpu_infer
@@ -56,12 +58,9 @@ def _rule_and_model(rule: str, model_dir: str | None, cpu_infer: int | None, kt_
 
 
 def _rules_check(args: argparse.Namespace) -> int:
-    from .rules.plan import cuda_device_count, missing_devices
+    from .rules.plan import cuda_device_count
 
-    rules, _, plan, _ = _rule_and_model(args.file, args.model, None)
-    lacking = missing_devices(rules, cuda_device_count())
-    if lacking:
-        raise KTConfigError(lacking)
+    rules, _, plan, _ = _rule_and_model(args.file, args.model, None, cuda_count=cuda_device_count())
     extra = f" ({len(rules.includes)} included files)" if rules.includes else ""
     what = f"; matches {args.model}: {len(plan.experts)} routed-experts modules" if plan else ""
     print(f"{rules.source}: {len(rules.rules)} rules{extra}, default device {rules.default_device}{what}: OK")

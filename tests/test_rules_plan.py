@@ -115,3 +115,21 @@ def test_check_with_model_reports_every_problem(model_dirs, tmp_path, capsys):
     assert f"{rule}:3: rule #2 (name=/nothing_here/) at {rule}:3 matches no module of this model" in err
     rc, out, _ = run_cli(capsys, "rules", "check", "qwen3_moe", "--model", str(model_dirs / "fp32"))
     assert rc == 0 and "matches " in out and "2 routed-experts modules: OK" in out
+
+
+def test_check_lists_schema_include_and_device_problems_together(tmp_path, capsys):
+    rule = tmp_path / "bad.yaml"
+    rule.write_text(
+        "- match:\n"
+        "    clas: Qwen3MoeExperts\n"  # line 2
+        "  replace:\n"
+        "    device: cuda:3\n"  # line 4
+        "    backend: amx\n"  # line 5
+        "- include: nope.yaml\n"  # line 6
+    )
+    rc, out, err = run_cli(capsys, "rules", "check", str(rule))
+    assert rc == 2 and out == "" and "kt-ft found 4 problems:" in err
+    assert f"{rule}:2: [0].match.clas: unknown key (did you mean 'class'?)" in err
+    assert f"{rule}:4: [0].replace.device: 'cuda:3' does not exist: this machine has " in err
+    assert f"{rule}:5: [0].replace.backend: 'amx'; valid choices: auto, torch, reference, kt-kernel" in err
+    assert f"{rule}:6: [1].include: 'nope.yaml': no file {tmp_path / 'nope.yaml'} and no built-in rule" in err

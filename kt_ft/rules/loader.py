@@ -368,12 +368,34 @@ def _empty(source: str) -> RuleSet:
     )
 
 
-def load_rules(path: str | Path) -> RuleSet:
-    """Parse and validate a rule file and its includes; raise KTConfigError listing every problem."""
+def missing_devices(rules: RuleSet, cuda_count: int) -> list[str]:
+    """Devices the rules name that this machine lacks. `cuda` / `cuda:0` without CUDA fall back to
+    cpu (not a problem); an explicit `cuda:N` beyond the machine's GPUs is."""
+    valid = ", ".join(["cpu", "cuda"] + [f"cuda:{i}" for i in range(cuda_count)])
+    out = []
+    for at, device in [(rule.device_at, rule.device) for rule in rules.rules] + [
+        (rules.default_at, rules.default_device)
+    ]:
+        if not device.startswith("cuda:"):
+            continue
+        idx = int(device.split(":")[1])
+        if idx >= max(cuda_count, 1):
+            have = f"{cuda_count} CUDA device(s)" if cuda_count else "no CUDA device"
+            out.append(f"{at}: {device!r} does not exist: this machine has {have}; valid choices: {valid}")
+    return out
+
+
+def load_rules(path: str | Path, cuda_count: int | None = None) -> RuleSet:
+    """Parse and validate a rule file and its includes; raise KTConfigError listing every problem.
+
+    With ``cuda_count`` (this machine's GPUs) a `cuda:N` the machine lacks is one of the problems.
+    """
     path = Path(path)
     problems: list[str] = []
     files: list[str] = []
     rules = _load(path, problems, (path.resolve(),), files)
+    if cuda_count is not None:
+        problems += missing_devices(rules, cuda_count)
     if problems:
         raise KTConfigError(problems)
     rules.includes = files[1:]

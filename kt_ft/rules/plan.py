@@ -18,7 +18,7 @@ import torch
 from ..errors import KTConfigError
 from ..log import get_logger
 from ..models import MoEFamily, find_routed_experts, layer_index
-from .loader import Rule, RuleSet
+from .loader import Rule, RuleSet, missing_devices
 from .schema import GpuExpertSpec
 
 logger = get_logger(__name__)
@@ -60,23 +60,6 @@ def resolve_device(device: str) -> tuple[torch.device, str | None]:
                 f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)"
             )
     return torch.device(device), None
-
-
-def missing_devices(rules: RuleSet, cuda_count: int) -> list[str]:
-    """Devices the rules name that this machine lacks. `cuda` / `cuda:0` without CUDA fall back to
-    cpu (not a problem); an explicit `cuda:N` beyond the machine's GPUs is."""
-    valid = ", ".join(["cpu", "cuda"] + [f"cuda:{i}" for i in range(cuda_count)])
-    out = []
-    for at, device in [(rule.device_at, rule.device) for rule in rules.rules] + [
-        (rules.default_at, rules.default_device)
-    ]:
-        if not device.startswith("cuda:"):
-            continue
-        idx = int(device.split(":")[1])
-        if idx >= max(cuda_count, 1):
-            have = f"{cuda_count} CUDA device(s)" if cuda_count else "no CUDA device"
-            out.append(f"{at}: {device!r} does not exist: this machine has {have}; valid choices: {valid}")
-    return out
 
 
 def _assign(model, rules: RuleSet) -> dict[str, Rule | None]:
