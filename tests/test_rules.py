@@ -227,6 +227,17 @@ def test_layer_ranges_match_by_decoder_layer_index(tmp_path):
     assert [(e.layer, e.threads) for e in plan.experts] == [(0, 5), (1, 1), (2, 5), (3, 5)]
     # modules outside the decoder layers (embeddings, final norm) never match a `layers` rule
     assert plan.module_devices["model.embed_tokens"] == "cpu"
+    # the decoder layer itself matches its index too (a class + layers rule, no regex)
+    p = rule_file(
+        tmp_path,
+        "decoder.yaml",
+        "- match: {layers: '1-2', class: Qwen3MoeDecoderLayer}\n  replace: {device: cpu, threads: 6}\n"
+        "  recursive: false\n"
+        "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, threads: 1}\n"
+        "- default: {device: cpu}\n",
+    )
+    plan = plan_of(p, num_hidden_layers=4)
+    assert [(e.layer, e.threads) for e in plan.experts] == [(0, 1), (1, 6), (2, 6), (3, 1)]
 
 
 def test_include_overrides_and_default(tmp_path):

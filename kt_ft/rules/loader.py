@@ -35,7 +35,6 @@ import yaml
 
 from ..errors import KTConfigError
 from ..hparams import KT_BACKENDS
-from ..models import layer_index
 from .builtin import builtin_rule_names, resolve_rule_path
 from .schema import (
     DEVICE_CHOICES,
@@ -117,11 +116,14 @@ class RuleSet:
     default_at: str = ""  # "file:line: [i].default.device" (or the implicit default's source)
 
 
+# kt_ft.models.layer_index's pattern, also at the end of the name: the decoder layer itself
+# (`model.layers.12`) matches `layers: 12` as well as everything inside it.
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
 def _layer_of(module_name: str) -> int | None:
-    try:
-        return layer_index(module_name)
-    except ValueError:
-        return None
+    m = _LAYER_RE.search(module_name)
+    return int(m.group(1)) if m else None
 
 
 def _did_you_mean(key: str, valid: tuple[str, ...]) -> str:
