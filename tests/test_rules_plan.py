@@ -60,7 +60,7 @@ def test_plan_numbers_match_a_hand_count(model_dirs, capsys):
     assert [(g["what"], g["how"]) for g in r["groups"]] == [
         ("layers 0-1 routed experts", "cpu auto 3 threads"),
         ("layers 0-1 attention, router, norms, dense/shared MLPs", "cuda:0"),
-        ("embeddings, final norm, lm_head", "cuda:0"),
+        ("outside the layers: embeddings, final norm, lm_head", "cuda:0"),
     ]
 
 
@@ -95,7 +95,7 @@ def test_plan_shows_gpu_experts_and_layer_split(model_dirs, tmp_path, capsys):
     assert {g["what"]: g["device"] for g in r["groups"][2:]} == {
         "layers 0 attention, router, norms, dense/shared MLPs": "cuda:0",
         "layers 1 attention, router, norms, dense/shared MLPs": "cuda:1",
-        "embeddings, final norm, lm_head": "cuda:0",
+        "outside the layers: embeddings, final norm, lm_head": "cuda:0",
     }
     per_expert = EXPERT_PARAMS // (L * E) * 4
     assert r["devices"]["cpu"]["param_bytes"] == (2 * E - 2) * per_expert

@@ -165,7 +165,7 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
         what = (
             f"layers {_ranges(layers)} attention, router, norms, dense/shared MLPs"
             if in_layer
-            else "embeddings, final norm, lm_head"
+            else "outside the layers: embeddings, final norm, lm_head"
         )
         groups.append({"what": what, "device": d, "how": d, "params": numel})
     for g in groups:

@@ -79,8 +79,9 @@ def meta_model(config, dtype: torch.dtype) -> torch.nn.Module:
     """The model class LLaMA-Factory would load (causal LM, else image-text-to-text), on meta."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    # the same choice as LLaMA-Factory's loader: vision-language composites (the Qwen3.5-MoE
+    # checkpoints) are image-text-to-text models, the rest causal LMs
+    image_text = type(config) in AutoModelForImageTextToText._model_mapping.keys()
+    cls = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     with torch.device("meta"):
-        try:
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except ValueError:  # vision-language composites (e.g. Qwen3.5-MoE checkpoints)
-            return AutoModelForImageTextToText.from_config(config, dtype=dtype)
+        return cls.from_config(config, dtype=dtype)
