@@ -41,7 +41,6 @@ from .schema import (
     DEVICE_RE,
     KEYS_ACTION,
     KEYS_DEFAULT,
-    KEYS_INCLUDE,
     KEYS_MATCH,
     KEYS_RULE,
     GpuExperts,
@@ -334,7 +333,6 @@ def _load(path: Path, problems: list[str], chain: tuple[Path, ...], files: list[
                 f"{r.at(dnode)}: {path_i}.default.device",
             )
         elif first_key == "include":
-            r.mapping(item, path_i, KEYS_INCLUDE)
             target = _include_target(r, item.value[0][1], f"{path_i}.include", path)
             if target is None:
                 continue

@@ -14,7 +14,6 @@ KEYS_RULE = ("match", "replace", "place", "recursive")
 KEYS_MATCH = ("name", "class", "layers")
 KEYS_ACTION = ("device", "backend", "threads", "gpu_experts")
 KEYS_DEFAULT = ("device",)
-KEYS_INCLUDE = ("include",)
 KEYS_GPU_SPEC = ("layers", "ids", "count")
 
 DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
