@@ -1,4 +1,4 @@
-"""The ``kt-ft`` command: make-demo-model, rules (list/check), bench, convert, merge."""
+"""The ``kt-ft`` command: make-demo-model, bench, rules (list / check / plan), convert, merge."""
 
 from __future__ import annotations
 
@@ -24,15 +24,61 @@ def _rules_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rules_check(args: argparse.Namespace) -> int:
+def _rule_and_model(
+    rule: str, model_dir: str | None, cpu_infer: int | None, kt_backend: str = "auto", cuda_count=None
+):
+    """rule file -> RuleSet; with a model dir also its meta skeleton and planning-only plan."""
     from .rules import load_rules, resolve_rule_path
 
-    path = resolve_rule_path(args.file)
+    path = resolve_rule_path(rule)
     if path is None:
-        raise KTConfigError(f"{args.file}: no such rule file or built-in rule")
-    rules = load_rules(path)
-    print(f"{path}: {len(rules.rules)} rules, default device {rules.default_device}: OK")
+        from .rules import builtin_rule_names
+
+        raise KTConfigError(
+            f"{rule}: no such rule file or built-in rule; built-in rules: {', '.join(builtin_rule_names())}"
+        )
+    rules = load_rules(path, cuda_count)
+    if model_dir is None:
+        return rules, None, None, None
+    from .hparams import default_cpu_infer
+    from .models import family_of
+    from .rules import make_plan
+    from .rules.skeleton import checkpoint_dtype, load_config, meta_model
+
+    config = load_config(model_dir)
+    family = family_of(config)
+    dtype, _ = checkpoint_dtype(model_dir, config)
+    if dtype.itemsize == 1:  # FP8 hub checkpoints: the CPU op trains on a BF16 copy
+        import torch
+
+        dtype = torch.bfloat16
+    model = meta_model(config, dtype)
+    plan = make_plan(model, rules, family, kt_backend, cpu_infer or default_cpu_infer(), planning_only=True)
+    return rules, model, plan, dtype
+
+
+def _rules_check(args: argparse.Namespace) -> int:
+    from .rules.plan import cuda_device_count
+
+    rules, _, plan, _ = _rule_and_model(args.file, args.model, None, cuda_count=cuda_device_count())
+    extra = f" ({len(rules.includes)} included files)" if rules.includes else ""
+    what = f"; matches {args.model}: {len(plan.experts)} routed-experts modules" if plan else ""
+    print(f"{rules.source}: {len(rules.rules)} rules{extra}, default device {rules.default_device}{what}: OK")
+    for r in plan.refusals if plan else []:
+        print(f"warning: refused at load in this version: {r}")
     return 0
+
+
+def _rules_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from .rules.report import TrainSizes, check_budgets, estimate, format_report
+
+    _, model, plan, dtype = _rule_and_model(args.rule, args.model, args.cpu_infer, args.kt_backend)
+    report = estimate(model, plan, dtype, TrainSizes(args.cutoff_len, args.batch, args.lora_rank))
+    check_budgets(report, args.gpu_mem, args.cpu_mem)
+    print(json.dumps(report, indent=2) if args.json else format_report(report, args.model))
+    return 0 if all(d.get("fits", True) for d in report["devices"].values()) else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -115,7 +161,26 @@ def build_parser() -> argparse.ArgumentParser:
     rl.set_defaults(func=_rules_list)
     rc = rules.add_parser("check", help="validate a rule file (or built-in rule name)")
     rc.add_argument("file")
+    rc.add_argument(
+        "--model", default=None, help="model dir: also match the rules against its modules (meta)"
+    )
     rc.set_defaults(func=_rules_check)
+    rp = rules.add_parser(
+        "plan", help="where every module goes and the memory it takes, from config.json alone (no weights)"
+    )
+    rp.add_argument("--rule", required=True, help="rule file or built-in rule name")
+    rp.add_argument("--model", required=True, help="model dir (config.json; safetensors headers for dtype)")
+    rp.add_argument("--gpu-mem", type=float, default=None, help="GPU memory budget per GPU, GiB")
+    rp.add_argument("--cpu-mem", type=float, default=None, help="CPU RAM budget, GiB")
+    rp.add_argument("--cutoff-len", type=int, default=2048, help="tokens per sequence (recipe cutoff_len)")
+    rp.add_argument("--batch", type=int, default=1, help="sequences per step (per_device_train_batch_size)")
+    rp.add_argument("--lora-rank", type=int, default=8, help="lora_rank")
+    rp.add_argument(
+        "--cpu-infer", type=int, default=None, help="CPU threads (default: physical cores minus a few)"
+    )
+    rp.add_argument("--kt-backend", default="auto", help="the recipe's kt_backend")
+    rp.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    rp.set_defaults(func=_rules_plan)
     return p
 
 

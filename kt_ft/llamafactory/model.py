@@ -48,13 +48,38 @@ def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
-def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: bool) -> None:
-    """Replace routed experts by kt-ft's CPU experts (with expert LoRA) and hook saving."""
-    family = family_of(model.config)
+def _rule_path(model_args: Any, family) -> Path:
     rule_name = model_args.kt_optimize_rule or family.builtin_rule
     rule_path = resolve_rule_path(rule_name)
     if rule_path is None:
         raise KTConfigError(f"kt_optimize_rule={rule_name!r}: no such file or built-in rule")
+    return rule_path
+
+
+def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
+    """Before any weight is read: plan on a meta skeleton (rule errors stop here), and with CUDA
+    load the routed experts straight into CPU RAM and the rest straight to the training GPU."""
+    from ..moe.loading import planned_device_map
+
+    family = family_of(config)
+    current = init_kwargs.get("device_map")
+    single = isinstance(current, dict) and list(current) == [""]
+    training_device = current[""] if single else "cpu"
+    rules = load_rules(_rule_path(model_args, family))
+    device_map, plan = planned_device_map(
+        config, rules, family, model_args.kt_backend, model_args.cpu_infer, training_device
+    )
+    if single and torch.cuda.is_available() and torch.device(training_device).type == "cuda":
+        init_kwargs["device_map"] = device_map
+        logger.info(
+            f"loading {len(plan.experts)} routed-experts modules straight into CPU RAM, the rest to {training_device}"
+        )
+
+
+def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: bool) -> None:
+    """Replace routed experts by kt-ft's CPU experts (with expert LoRA) and hook saving."""
+    family = family_of(model.config)
+    rule_path = _rule_path(model_args, family)
     plan = make_plan(model, load_rules(rule_path), family, model_args.kt_backend, model_args.cpu_infer)
     for note in plan.notes:
         logger.info(note)

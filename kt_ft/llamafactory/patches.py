@@ -3,8 +3,11 @@
 * ``llamafactory.hparams.parser``: its ``ModelArguments`` gains kt-ft's keys (``KTArguments``
   overrides LLaMA-Factory's own ``use_kt``), and the fork-only dependency check
   (transformers-kt, accelerate-kt) is skipped for kt-ft runs.
-* ``llamafactory.model.loader``: ``init_adapter`` runs LLaMA-Factory's normal LoRA path, then
-  kt-ft replaces the routed experts and adds their LoRA before the parameter count is printed.
+* ``llamafactory.model.loader``: ``patch_config`` (run before any weight is read) also plans the
+  placement on a meta skeleton, raising rule errors early, and with CUDA swaps LLaMA-Factory's
+  ``device_map={"": cuda:N}`` for the plan's (routed experts -> "cpu"); ``init_adapter`` runs
+  LLaMA-Factory's normal LoRA path, then kt-ft replaces the routed experts and adds their LoRA
+  before the parameter count is printed.
 
 With ``use_kt`` false or absent every patched function calls the original unchanged.
 """
@@ -106,5 +109,15 @@ def patch_loader_module(loader: ModuleType) -> None:
         attach_kt(model, model_args, finetuning_args, is_trainable)
         return model
 
+    original_patch_config = loader.patch_config
+
+    def patch_config(config, tokenizer, model_args, init_kwargs, is_trainable):
+        original_patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
+        if getattr(model_args, "use_kt", False):
+            from .model import plan_loading
+
+            plan_loading(config, model_args, init_kwargs)
+
     loader.init_adapter = init_adapter
+    loader.patch_config = patch_config
     loader._kt_ft_patched = True

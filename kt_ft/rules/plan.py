@@ -1,9 +1,12 @@
-"""Turn a RuleSet and a model into a placement plan: which routed experts run where.
+"""Turn a RuleSet and a model into a placement plan: which module goes where, how experts run.
 
 Walks ``model.named_modules()`` once; the first matching rule wins; ``recursive: false``
-hands a matched module's whole subtree to that rule. A rule that matches no module is an
-error. In this version routed experts run on the CPU and every other module on the
-training device (the rule's default); other placements are refused with a clear message.
+hands a matched module's whole subtree to that rule. Always errors: a rule of the file itself
+(included rules may be overridden) that matches no module, GPU-expert ids or counts the model does not have, and (for a run) a device this
+machine does not have. Placements the schema accepts but this version cannot run yet
+(routed experts off the CPU, ``gpu_experts``, non-expert modules on another device than the
+default) are *refusals*: errors for a run, kept in ``plan.refusals`` for a planning-only call
+(``kt-ft rules plan`` / ``check`` show them). The model may live on the meta device.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import torch
 from ..errors import KTConfigError
 from ..log import get_logger
 from ..models import MoEFamily, find_routed_experts, layer_index
-from .loader import Rule, RuleSet
+from .loader import Rule, RuleSet, missing_devices
+from .schema import GpuExpertSpec
 
 logger = get_logger(__name__)
 
@@ -28,14 +32,21 @@ class ExpertPlacement:
     backend: str  # backend name or "auto"
     threads: int | None
     rule: Rule | None
+    gpu_experts: GpuExpertSpec | None = None  # experts of this layer kept on the GPU (planned only)
 
 
 @dataclass
 class PlacementPlan:
     source: str
     experts: list[ExpertPlacement]
-    default_device: torch.device
+    default_device: torch.device  # resolved on this machine (cuda -> cpu without CUDA)
     notes: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)  # planning-only: what a run would refuse
+    module_devices: dict[str, str] = field(default_factory=dict)  # every module -> the rule's device string
+
+
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def resolve_device(device: str) -> tuple[torch.device, str | None]:
@@ -65,53 +76,96 @@ def _assign(model, rules: RuleSet) -> dict[str, Rule | None]:
     return assigned
 
 
+def _gpu_problems(rule: Rule, name: str, spec: GpuExpertSpec, num_experts: int) -> list[str]:
+    path = f"{rule.where}: gpu_experts"
+    if spec.ids is not None and any(i >= num_experts for i in spec.ids):
+        bad = [i for i in spec.ids if i >= num_experts]
+        return [f"{path}: expert ids {bad} do not exist in {name}; valid: 0-{num_experts - 1}"]
+    if spec.count is not None and spec.count > num_experts:
+        return [f"{path}: count {spec.count} > the {num_experts} experts of {name}; valid: 0-{num_experts}"]
+    return []
+
+
 def make_plan(
-    model, rules: RuleSet, family: MoEFamily, kt_backend: str, cpu_infer: int | None
+    model,
+    rules: RuleSet,
+    family: MoEFamily,
+    kt_backend: str,
+    cpu_infer: int | None,
+    planning_only: bool = False,
 ) -> PlacementPlan:
+    """Place every module of ``model``; raise KTConfigError with every problem at once."""
     assigned = _assign(model, rules)
-    problems = []
+    problems: list[str] = []
+    refusals: list[str] = []
     hits = {id(rule): 0 for rule in rules.rules}
     for rule in assigned.values():
         if rule is not None:
             hits[id(rule)] += 1
     for rule in rules.rules:
-        if hits[id(rule)] == 0:
+        # an included rule may be overridden on purpose by the including file: only the file's own
+        # rules must match something
+        if hits[id(rule)] == 0 and rule.source == rules.source:
             problems.append(f"{rule.where}: {rule.describe()} matches no module of this model")
+    notes = []
+    lacking = missing_devices(rules, cuda_device_count())
+    if planning_only:
+        notes += [f"not on this machine: {m}" for m in lacking]
+    else:
+        problems += lacking
+    default_device, note = (torch.device("cpu"), None) if lacking else resolve_device(rules.default_device)
+    notes += [note] if note else []
 
-    default_device, note = resolve_device(rules.default_device)
-    notes = [note] if note else []
     experts = []
     expert_names = set()
-    for name, _ in find_routed_experts(model, family):
+    for name, module in find_routed_experts(model, family):
         expert_names.add(name)
         rule = assigned[name]
+        where = rule.where if rule is not None else rules.default_where
         device = rule.device if rule is not None else rules.default_device
+        layer = layer_index(name)
         if device != "cpu":
-            where = rule.where if rule is not None else rules.default_where
-            problems.append(
+            refusals.append(
                 f"{where}: routed experts {name} placed on {device!r}; this version of kt-ft computes routed "
                 "experts on 'cpu' only (GPU-resident experts arrive with `gpu_experts`)"
             )
-            continue
+        spec = rule.gpu_experts.for_layer(layer) if rule is not None and rule.gpu_experts else None
+        if spec is not None and (spec.ids or spec.count):
+            problems += _gpu_problems(rule, name, spec, module.gate_up_proj.shape[0])
+            refusals.append(
+                f"{where}: gpu_experts on {name}: not implemented yet in this version of kt-ft (the plan "
+                "shows it; `kt-ft rules plan` previews it); remove gpu_experts to train"
+            )
+        else:
+            spec = None
         backend = kt_backend if kt_backend != "auto" else (rule.backend if rule and rule.backend else "auto")
         threads = rule.threads if rule is not None and rule.threads is not None else cpu_infer
-        experts.append(ExpertPlacement(name, layer_index(name), device, backend, threads, rule))
+        experts.append(ExpertPlacement(name, layer, device, backend, threads, rule, spec))
+
+    module_devices = {}
     reported: set[int] = set()
     for name, rule in assigned.items():
+        module_devices[name] = rule.device if rule is not None else rules.default_device
         if rule is None or id(rule) in reported or name in expert_names:
             continue
         if any(name.startswith(f"{e}.") for e in expert_names):
             continue
-        if rule.device != rules.default_device and resolve_device(rule.device)[0] != default_device:
-            problems.append(
+        differs = rule.device != rules.default_device
+        if differs and not planning_only and not lacking:  # e.g. cpu vs cuda on a CPU-only machine
+            differs = resolve_device(rule.device)[0] != default_device
+        if differs:
+            refusals.append(
                 f"{rule.where}: module {name} placed on {rule.device!r}; this version of kt-ft runs every "
-                f"non-expert module on the training device ({rules.default_device!r})"
+                f"non-expert module on the training device ({rules.default_device!r}); multi-device "
+                "placement of non-expert modules is not implemented yet"
             )
             reported.add(id(rule))
-    if not experts and not problems:
+    if not experts:
         problems.append(
             f"{rules.source}: no routed-experts module ({family.experts_class}) found in the model"
         )
+    if not planning_only:
+        problems += refusals
     if problems:
         raise KTConfigError(problems)
-    return PlacementPlan(rules.source, experts, default_device, notes)
+    return PlacementPlan(rules.source, experts, default_device, notes, refusals, module_devices)

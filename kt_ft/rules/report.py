@@ -1,0 +1,225 @@
+"""What a placement plan costs: module groups per device, bytes, LoRA sizes, activations, fit.
+
+Inputs: the (meta) model, its PlacementPlan and a few training sizes; no weight is read.
+Formulas (each number is an estimate, stated so it can be checked by hand):
+
+* parameter bytes: numel x the checkpoint dtype's size, per device of the owning module;
+  routed experts on their expert device, minus ``gpu_experts`` (count/E of the layer's experts)
+  which count on the training device.
+* PEFT LoRA (``lora_target: all``, as LLaMA-Factory finds it): every ``*Linear*`` module
+  outside ``lm_head`` and the routed experts gets r x (in + out) parameters.
+* expert LoRA: per MoE layer gate + up + down = 2·E·r·(H + I) + E·r·(I + H) = 3·E·r·(H + I).
+* training state of a trainable parameter: 16 bytes (fp32 weight, fp32 grad, AdamW's two fp32
+  moments), on the device of the parameter (expert LoRA on the CPU).
+* GPU activations, gradient checkpointing on (LLaMA-Factory's default), B = batch, S = cutoff_len,
+  a = bytes per activation value (2 for 16-bit weights, else 4):
+  L·B·S·H·a (each decoder layer's checkpointed input) + 17·B·S·H·a (one layer recomputed
+  for its backward: Korthikanti et al. 2022's 34·s·b·h bytes at 2 bytes a value, fused
+  attention, no s² term) + 2·B·S·V·4 (fp32 logits and their gradient).
+* CPU activations: per MoE layer B·S·(k·3·I + 2·H)·4 (the CPU op keeps gate, up and silu·up
+  per routed token-expert pair and the layer's input and output in fp32 until backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .plan import PlacementPlan
+
+TRAIN_STATE_BYTES = 16  # per trainable parameter: fp32 weight + grad + 2 AdamW moments
+LAYER_WORKSET = 17  # values per token x H of one recomputed decoder layer (see module docstring)
+GIB = 2**30
+
+
+@dataclass
+class TrainSizes:
+    cutoff_len: int = 2048
+    batch: int = 1
+    lora_rank: int = 8
+
+
+def _device(d: str) -> str:
+    return "cuda:0" if d == "cuda" else d  # "cuda" is the training device, GPU 0 of a run
+
+
+def _ranges(layers: list[int]) -> str:
+    out, start, prev = [], None, None
+    for i in sorted(set(layers)):
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = i
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
+def _layer(name: str) -> int | None:
+    from ..models import layer_index
+
+    try:
+        return layer_index(name)
+    except ValueError:
+        return None
+
+
+def _expert_groups(plan: PlacementPlan) -> list[dict]:
+    groups: list[dict] = []
+    for e in plan.experts:
+        gpu = e.gpu_experts
+        gpu_text = (
+            None if gpu is None else (f"ids {list(gpu.ids)}" if gpu.ids is not None else f"{gpu.count}")
+        )
+        key = (e.device, e.backend, e.threads, gpu_text)
+        if groups and groups[-1]["key"] == key:
+            groups[-1]["layers"].append(e.layer)
+        else:
+            groups.append({"key": key, "layers": [e.layer]})
+    out = []
+    for g in groups:
+        device, backend, threads, gpu_text = g["key"]
+        what = f"layers {_ranges(g['layers'])} routed experts"
+        how = f"{device} {backend} {threads} threads" + (f", gpu_experts {gpu_text}" if gpu_text else "")
+        out.append({"what": what, "device": _device(device), "how": how, "layers": g["layers"]})
+    return out
+
+
+def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, sizes: TrainSizes) -> dict:
+    """Every number of ``kt-ft rules plan`` as a JSON-ready dict (bytes, counts, groups, devices)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    experts = {e.name: e for e in plan.experts}
+    train_dev = _device(plan.module_devices.get("", "cuda"))
+    devices: dict[str, dict] = {}
+
+    def dev(d: str) -> dict:
+        return devices.setdefault(
+            d, {"param_bytes": 0, "lora_params": 0, "train_state_bytes": 0, "activation_bytes": 0}
+        )
+
+    # parameters, by owning module
+    non_expert: dict[tuple[str, bool], list] = {}  # (device, in a decoder layer) -> [layers, numel]
+    expert_numel: dict[str, int] = {}
+    for pname, p in model.named_parameters():
+        owner = pname.rpartition(".")[0]
+        e = experts.get(owner)
+        if e is not None:
+            expert_numel[owner] = expert_numel.get(owner, 0) + p.numel()
+            continue
+        d = _device(plan.module_devices.get(owner, plan.module_devices.get("", "cuda")))
+        layer = _layer(owner)
+        g = non_expert.setdefault((d, layer is not None), [[], 0])
+        if layer is not None:
+            g[0].append(layer)
+        g[1] += p.numel()
+        dev(d)["param_bytes"] += p.numel() * elt
+
+    lora = {"peft_params": 0, "expert_params": 0}
+    for e in plan.experts:
+        module = model.get_submodule(e.name)
+        num, two_i, hidden = module.gate_up_proj.shape
+        inter = two_i // 2
+        on_gpu = 0
+        if e.gpu_experts is not None:
+            on_gpu = len(e.gpu_experts.ids) if e.gpu_experts.ids is not None else e.gpu_experts.count
+        per_expert = expert_numel[e.name] * elt // num
+        dev(_device(e.device))["param_bytes"] += per_expert * (num - on_gpu)
+        if on_gpu:
+            dev(train_dev)["param_bytes"] += per_expert * on_gpu
+        n = 3 * num * sizes.lora_rank * (hidden + inter)
+        lora["expert_params"] += n
+        dev("cpu")["lora_params"] += n
+    for name, m in model.named_modules():
+        if "Linear" not in type(m).__name__ or "Embedding" in type(m).__name__ or "lm_head" in name:
+            continue
+        if any(name == e or name.startswith(f"{e}.") for e in experts):
+            continue
+        n = sizes.lora_rank * (m.in_features + m.out_features)
+        lora["peft_params"] += n
+        dev(_device(plan.module_devices.get(name, "cuda")))["lora_params"] += n
+    for d in devices.values():
+        d["train_state_bytes"] = d["lora_params"] * TRAIN_STATE_BYTES
+
+    # activations
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    k = getattr(text, "num_experts_per_tok", 1)
+    a = 2 if elt == 2 else 4
+    tokens = sizes.batch * sizes.cutoff_len
+    gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + 2 * tokens * V * 4
+    cpu_act = 0
+    for e in plan.experts:
+        inter = model.get_submodule(e.name).gate_up_proj.shape[1] // 2
+        cpu_act += tokens * (k * 3 * inter + 2 * H) * 4
+    dev(train_dev)["activation_bytes"] += gpu_act
+    dev("cpu")["activation_bytes"] += cpu_act
+    for d in devices.values():
+        d["total_bytes"] = d["param_bytes"] + d["train_state_bytes"] + d["activation_bytes"]
+
+    groups = _expert_groups(plan)
+    for (d, in_layer), (layers, numel) in sorted(non_expert.items(), key=lambda kv: (not kv[0][1], kv[0][0])):
+        what = (
+            f"layers {_ranges(layers)} attention, router, norms, dense/shared MLPs"
+            if in_layer
+            else "outside the layers: embeddings, final norm, lm_head"
+        )
+        groups.append({"what": what, "device": d, "how": d, "params": numel})
+    for g in groups:
+        g.pop("layers", None)
+    return {
+        "rule": plan.source,
+        "dtype": str(dtype).removeprefix("torch."),
+        "sizes": vars(sizes),
+        "groups": groups,
+        "lora": lora,
+        "devices": devices,
+        "notes": plan.notes,
+        "refusals": plan.refusals,
+    }
+
+
+def check_budgets(report: dict, gpu_gib: float | None, cpu_gib: float | None) -> None:
+    """Add budget_bytes / fits per device (GPU budget per GPU); a missing budget is not checked."""
+    for name, d in report["devices"].items():
+        budget = cpu_gib if name == "cpu" else gpu_gib
+        if budget is not None:
+            d["budget_bytes"] = int(budget * GIB)
+            d["fits"] = d["total_bytes"] <= d["budget_bytes"]
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"
+
+
+def format_report(report: dict, model_dir: str) -> str:
+    """The human table of ``kt-ft rules plan``."""
+    s = report["sizes"]
+    lines = [
+        f"{report['rule']} on {model_dir} ({report['dtype']} weights; cutoff_len {s['cutoff_len']}, "
+        f"batch {s['batch']}, lora_rank {s['lora_rank']})",
+        "",
+    ]
+    width = max(len(g["what"]) for g in report["groups"])
+    lines += [f"  {g['what']:<{width}}  {g['how']}" for g in report["groups"]]
+    lora = report["lora"]
+    lines += [
+        "",
+        f"  LoRA parameters: PEFT (lora_target all) {lora['peft_params']:,}, expert LoRA {lora['expert_params']:,}",
+        "",
+        f"  {'device':<8}{'weights':>12}{'LoRA+optim':>12}{'activations':>12}{'total':>12}{'budget':>12}  fits",
+    ]
+    for name, d in sorted(report["devices"].items(), key=lambda kv: kv[0] != "cpu"):
+        budget = _size(d["budget_bytes"]) if "budget_bytes" in d else "-"
+        fits = {True: "yes", False: "NO"}.get(d.get("fits"), "-")
+        sizes = (d["param_bytes"], d["train_state_bytes"], d["activation_bytes"], d["total_bytes"])
+        lines.append(f"  {name:<8}" + "".join(f"{_size(n):>12}" for n in sizes) + f"{budget:>12}  {fits}")
+    lines.append(
+        "  (LoRA+optim: 16 bytes per trainable parameter; activations: estimate, kt_ft/rules/report.py)"
+    )
+    lines += [f"note: {n}" for n in report["notes"]]
+    lines += [f"refused at load in this version: {r}" for r in report["refusals"]]
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""`kt-ft rules plan` / `rules check --model`: numbers against a hand count on the tiny Qwen3-MoE.
+
+The model directory holds only what `from_pretrained` needs (config.json, model.safetensors):
+the plan reads the config and the safetensors header, never the weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from kt_ft.cli import main
+
+# tiny_model("qwen3_moe"): H 64, 4 q heads / 2 kv heads of 16, 2 layers, 8 experts of I 32, top-2, V 97
+H, L, E, I, V, K, R = 64, 2, 8, 32, 97, 2, 8
+EXPERT_PARAMS = L * E * (2 * I * H + H * I)  # gate_up [E, 2I, H] + down [E, H, I]
+PER_LAYER = (
+    (64 * 64) + 2 * (64 * 32) + (64 * 64) + 2 * 16 + 2 * 64 + E * H
+)  # q k v o, q/k norm, 2 norms, router
+NON_EXPERT_PARAMS = 2 * V * H + L * PER_LAYER + H  # embeddings, lm_head, layers, final norm
+PEFT_LORA = L * R * ((64 + 64) + 2 * (64 + 32) + (64 + 64))  # q k v o: r (in + out)
+EXPERT_LORA = L * 3 * E * R * (H + I)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    tiny_model().save_pretrained(root / "fp32")
+    tiny_model().to(torch.bfloat16).save_pretrained(root / "bf16")
+    return root
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_plan_numbers_match_a_hand_count(model_dirs, capsys):
+    rc, out, _ = run_cli(
+        capsys, "rules", "plan", "--rule", "qwen3_moe", "--model", str(model_dirs / "fp32"),
+        "--cutoff-len", "16", "--batch", "2", "--lora-rank", "8", "--cpu-infer", "3", "--json",
+    )  # fmt: skip
+    assert rc == 0
+    r = json.loads(out)
+    assert r["dtype"] == "float32"
+    assert r["lora"] == {"peft_params": PEFT_LORA, "expert_params": EXPERT_LORA}
+    assert (PEFT_LORA, EXPERT_LORA) == (7_168, 36_864)  # README's demo line says the same
+    cpu, gpu = r["devices"]["cpu"], r["devices"]["cuda:0"]
+    assert cpu["param_bytes"] == EXPERT_PARAMS * 4
+    assert gpu["param_bytes"] == NON_EXPERT_PARAMS * 4
+    assert (cpu["train_state_bytes"], gpu["train_state_bytes"]) == (EXPERT_LORA * 16, PEFT_LORA * 16)
+    T = 2 * 16
+    assert gpu["activation_bytes"] == L * T * H * 4 + 17 * T * H * 4 + 2 * T * V * 4
+    assert cpu["activation_bytes"] == L * T * (K * 3 * I + 2 * H) * 4
+    assert cpu["total_bytes"] == cpu["param_bytes"] + cpu["train_state_bytes"] + cpu["activation_bytes"]
+    assert [(g["what"], g["how"]) for g in r["groups"]] == [
+        ("layers 0-1 routed experts", "cpu auto 3 threads"),
+        ("layers 0-1 attention, router, norms, dense/shared MLPs", "cuda:0"),
+        ("outside the layers: embeddings, final norm, lm_head", "cuda:0"),
+    ]
+
+
+def test_plan_dtype_from_safetensors_and_budgets(model_dirs, capsys):
+    rc, out, _ = run_cli(
+        capsys, "rules", "plan", "--rule", "qwen3_moe", "--model", str(model_dirs / "bf16"),
+        "--gpu-mem", "1", "--cpu-mem", "0.0001",
+    )  # fmt: skip
+    assert rc == 1  # the CPU budget (~105 KB) is too small
+    assert "(bfloat16 weights; cutoff_len 2048, batch 1, lora_rank 8)" in out
+    assert "layers 0-1 routed experts" in out and "LoRA parameters: PEFT (lora_target all) 7,168" in out
+    cpu_line = next(line for line in out.splitlines() if line.strip().startswith("cpu "))
+    gpu_line = next(line for line in out.splitlines() if line.strip().startswith("cuda:0 "))
+    assert f"{EXPERT_PARAMS * 2 / 2**20:.2f} MiB" in cpu_line and cpu_line.endswith("NO")
+    assert gpu_line.endswith("yes")
+
+
+def test_plan_shows_gpu_experts_and_layer_split(model_dirs, tmp_path, capsys):
+    rule = tmp_path / "r.yaml"
+    rule.write_text(
+        "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch, gpu_experts: {layers: 1, ids: [0, 3]}}\n"
+        "- match: {layers: 1}\n  replace: {device: cuda:1}\n"
+        "- default: {device: cuda:0}\n"
+    )
+    rc, out, _ = run_cli(
+        capsys, "rules", "plan", "--rule", str(rule), "--model", str(model_dirs / "fp32"), "--json"
+    )
+    assert rc == 0
+    r = json.loads(out)
+    assert [g["what"] for g in r["groups"]][:2] == ["layers 0 routed experts", "layers 1 routed experts"]
+    assert r["groups"][1]["how"] == "cpu torch 2 threads, gpu_experts ids [0, 3]"
+    assert {g["what"]: g["device"] for g in r["groups"][2:]} == {
+        "layers 0 attention, router, norms, dense/shared MLPs": "cuda:0",
+        "layers 1 attention, router, norms, dense/shared MLPs": "cuda:1",
+        "outside the layers: embeddings, final norm, lm_head": "cuda:0",
+    }
+    per_expert = EXPERT_PARAMS // (L * E) * 4
+    assert r["devices"]["cpu"]["param_bytes"] == (2 * E - 2) * per_expert
+    assert r["devices"]["cuda:0"]["param_bytes"] == (2 * V * H + PER_LAYER + H) * 4 + 2 * per_expert
+    assert r["devices"]["cuda:1"]["param_bytes"] == PER_LAYER * 4
+    assert len(r["refusals"]) == 2 and "not implemented yet" in r["refusals"][0]
+
+
+def test_check_with_model_reports_every_problem(model_dirs, tmp_path, capsys):
+    rule = tmp_path / "bad.yaml"
+    rule.write_text(
+        "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu}\n"
+        "- match: {name: 'nothing_here'}\n  replace: {device: cpu}\n"
+    )
+    rc, out, err = run_cli(capsys, "rules", "check", str(rule), "--model", str(model_dirs / "fp32"))
+    assert rc == 2 and out == ""
+    assert f"{rule}:3: rule #2 (name=/nothing_here/) at {rule}:3 matches no module of this model" in err
+    rc, out, _ = run_cli(capsys, "rules", "check", "qwen3_moe", "--model", str(model_dirs / "fp32"))
+    assert rc == 0 and "matches " in out and "2 routed-experts modules: OK" in out
+
+
+def test_check_lists_schema_include_and_device_problems_together(tmp_path, capsys):
+    rule = tmp_path / "bad.yaml"
+    rule.write_text(
+        "- match:\n"
+        "    clas: Qwen3MoeExperts\n"  # line 2
+        "  replace:\n"
+        "    device: cuda:3\n"  # line 4
+        "    backend: amx\n"  # line 5
+        "- include: nope.yaml\n"  # line 6
+    )
+    rc, out, err = run_cli(capsys, "rules", "check", str(rule))
+    assert rc == 2 and out == "" and "kt-ft found 4 problems:" in err
+    assert f"{rule}:2: [0].match.clas: unknown key (did you mean 'class'?)" in err
+    assert f"{rule}:4: [0].replace.device: 'cuda:3' does not exist: this machine has " in err
+    assert f"{rule}:5: [0].replace.backend: 'amx'; valid choices: auto, torch, reference, kt-kernel" in err
+    assert f"{rule}:6: [1].include: 'nope.yaml': no file {tmp_path / 'nope.yaml'} and no built-in rule" in err
