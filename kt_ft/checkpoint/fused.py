@@ -28,7 +28,8 @@ MASTER_FILE = "kt_expert_lora_master.safetensors"
 FILE_DTYPE = torch.bfloat16
 
 
-def _file_key(layer: int, name: str) -> str:
+def fused_key(layer: int, name: str) -> str:
+    """File key of LoRA tensor ``name`` (e.g. ``gate_a``) of decoder layer ``layer``."""
     proj, ab = name.split("_")  # "gate_a" -> ("gate", "a")
     return f"layers.{layer}.experts.{proj}_lora_{ab}"
 
@@ -45,7 +46,7 @@ def fused_state_dict(model, dtype: torch.dtype | None = FILE_DTYPE) -> dict[str,
     for m in kt_expert_modules(model):
         for name in LORA_NAMES:
             t = getattr(m, name).detach().to("cpu")
-            out[_file_key(m.layer_idx, name)] = (t if dtype is None else t.to(dtype)).contiguous()
+            out[fused_key(m.layer_idx, name)] = (t if dtype is None else t.to(dtype)).contiguous()
     return out
 
 
@@ -99,7 +100,7 @@ def load_fused_expert_lora(model, directory: str | os.PathLike) -> int:
     modules = kt_expert_modules(model)
     for m in modules:
         for name in LORA_NAMES:
-            key = _file_key(m.layer_idx, name)
+            key = fused_key(m.layer_idx, name)
             param = getattr(m, name)
             if key not in tensors:
                 problems.append(f"{path}: key {key} missing")
@@ -113,6 +114,6 @@ def load_fused_expert_lora(model, directory: str | os.PathLike) -> int:
     with torch.no_grad():
         for m in modules:
             for name in LORA_NAMES:
-                getattr(m, name).copy_(tensors[_file_key(m.layer_idx, name)])
+                getattr(m, name).copy_(tensors[fused_key(m.layer_idx, name)])
             m.runner.backend.lora_updated()
     return len(modules)

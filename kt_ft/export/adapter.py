@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..checkpoint.fused import expert_lora_file
+from ..checkpoint.fused import expert_lora_file, fused_key
 from ..checkpoint.manifest import KTAdapterInfo, info_from_manifest, verify_adapter_dir
 from ..errors import KTConfigError
+from ..lora import lora_scaling
 
 PEFT_PREFIX = "base_model.model."
 PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -37,14 +38,11 @@ class KTAdapter:
 
     @property
     def scaling(self) -> float:
-        r, a = self.info.rank, self.info.alpha
-        return a / r**0.5 if self.info.use_rslora else a / r
+        return lora_scaling(self.info.rank, self.info.alpha, self.info.use_rslora)
 
     def expert_lora(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(A [E, r, in], B [E, out, r]) of ``proj`` in gate, up, down."""
-        return self.fused[f"layers.{layer}.experts.{proj}_lora_a"], self.fused[
-            f"layers.{layer}.experts.{proj}_lora_b"
-        ]
+        return self.fused[fused_key(layer, f"{proj}_a")], self.fused[fused_key(layer, f"{proj}_b")]
 
 
 def read_kt_adapter(directory: str | os.PathLike) -> KTAdapter:

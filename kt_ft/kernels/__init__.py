@@ -7,8 +7,6 @@ the CPU and the installed kt-kernel build have it.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..errors import KTConfigError
@@ -16,9 +14,6 @@ from .base import LORA_NAMES, ExpertBackend, ExpertWeights, LoraTensors
 from .grouped import GroupedTorchBackend
 from .kt_kernel_backend import KTKernelBackend
 from .reference import ReferenceBackend, reference_moe
-
-logger = logging.getLogger(__name__)
-
 
 BACKENDS: dict[str, type[ExpertBackend]] = {
     cls.name: cls for cls in (GroupedTorchBackend, ReferenceBackend, KTKernelBackend)

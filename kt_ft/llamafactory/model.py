@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from ..checkpoint import (
 from ..checkpoint.manifest import CHECKPOINT_DIR
 from ..errors import KTConfigError
 from ..log import get_logger
+from ..lora import lora_scaling
 from ..models import family_of
 from ..moe.patch import replace_routed_experts
 from ..rules import load_rules, make_plan, resolve_rule_path
@@ -41,11 +41,6 @@ def _rss_gib() -> float:
     except OSError:
         pass
     return float("nan")
-
-
-def lora_scaling(rank: int, alpha: float, use_rslora: bool) -> float:
-    """Same scaling as PEFT's LoRA: alpha / r, or alpha / sqrt(r) with rsLoRA."""
-    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
 def _rule_path(model_args: Any, family) -> Path:

@@ -15,6 +15,11 @@ import torch
 from ..kernels.base import LORA_NAMES
 
 
+def lora_scaling(rank: int, alpha: float, use_rslora: bool = False) -> float:
+    """Same scaling as PEFT's LoRA: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
 def expert_lora_shapes(num_experts: int, hidden: int, inter: int, rank: int) -> dict[str, tuple[int, ...]]:
     e, h, i, r = num_experts, hidden, inter, rank
     return {

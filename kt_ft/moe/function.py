@@ -36,6 +36,12 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+def inputs_to_cpu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The op's inputs as detached CPU tensors (no copy when already there)."""
+    cpu = torch.device("cpu")
+    return x.detach().to(cpu), ids.to(cpu), weights.detach().to(cpu)
+
+
 class ExpertRunner:
     """One MoE layer's CPU expert state: backend, frozen weights, LoRA scaling, chunking, threads."""
 
@@ -64,8 +70,7 @@ class ExpertRunner:
         pass before the backward reuses them instead of running the CPU experts again.
         One entry per layer: a layer is recomputed before the next forward of the same layer.
         """
-        cpu = torch.device("cpu")
-        x_c, ids_c, w_c = x.detach().to(cpu), ids.to(cpu), weights.detach().to(cpu)
+        x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights)
         out, saved = self.forward(x_c, ids_c, w_c, lora, needs_grad=True)
         self._stash = (x_c, ids_c, w_c, out, saved)
         return out.to(device=x.device, dtype=x.dtype)
@@ -122,8 +127,7 @@ class CPUExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ids, weights, runner: ExpertRunner, *lora):
         needs_grad = any(ctx.needs_input_grad)
-        cpu = torch.device("cpu")
-        x_c, ids_c, w_c = x.detach().to(cpu), ids.to(cpu), weights.detach().to(cpu)
+        x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights)
         hit = runner.take_stash(x_c, ids_c, w_c) if needs_grad else None
         out, saved = (
             hit if hit is not None else runner.forward(x_c, ids_c, w_c, LoraTensors(*lora), needs_grad)
