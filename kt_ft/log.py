@@ -23,3 +23,8 @@ def get_logger(name: str = "kt_ft") -> logging.Logger:
         root.propagate = False
         _CONFIGURED = True
     return logging.getLogger(name)
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes for log lines and reports: GiB from a tenth of one up, else MiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.2f} MiB"

@@ -20,7 +20,7 @@ from ..checkpoint import (
 )
 from ..checkpoint.manifest import CHECKPOINT_DIR
 from ..errors import KTConfigError
-from ..log import get_logger
+from ..log import fmt_bytes, get_logger
 from ..lora import lora_scaling
 from ..models import family_of
 from ..moe.patch import replace_routed_experts
@@ -33,11 +33,11 @@ logger = get_logger(__name__)
 warnings.filterwarnings("ignore", message=r"Unexpected keyword arguments \['kt_ft'\]", category=UserWarning)
 
 
-def _rss_gib() -> float:
+def _rss_bytes() -> float:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 2**20
+                return int(line.split()[1]) * 1024
     except OSError:
         pass
     return float("nan")
@@ -130,11 +130,11 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
         if not _is_routed_expert_param(n, model)
     )
     logger.info(
-        f"{summary.line()}; {rule_path.name} from {rule_path.parent}; non-expert weights {gpu_bytes / 2**30:.2f} GiB "
-        f"go to {summary.default_device}; process RSS {_rss_gib():.2f} GiB"
+        f"{summary.line()}; {rule_path.name} from {rule_path.parent}; non-expert weights {fmt_bytes(gpu_bytes)} "
+        f"go to {summary.default_device}; process RSS {fmt_bytes(_rss_bytes())}"
     )
     if torch.cuda.is_available():
-        logger.info(f"GPU memory allocated now: {torch.cuda.memory_allocated() / 2**30:.2f} GiB")
+        logger.info(f"GPU memory allocated now: {fmt_bytes(torch.cuda.memory_allocated())}")
 
 
 def _is_routed_expert_param(name: str, model: Any) -> bool:

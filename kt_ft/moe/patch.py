@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import select_backend
-from ..log import get_logger
+from ..log import fmt_bytes, get_logger
 from ..rules.plan import PlacementPlan
 from .experts import KTExperts
 
@@ -26,11 +26,10 @@ class KTSummary:
     default_device: torch.device
 
     def line(self) -> str:
-        gib = self.expert_bytes / 2**30
         return (
             f"{self.num_experts} experts x {len(self.layers)} MoE layers on cpu via backend {self.backend} "
             f"({self.backend_reason}) with {self.threads} threads; the rest on {self.default_device}; "
-            f"expert-LoRA params {self.lora_params:,}; routed-expert weights {gib:.2f} GiB in RAM"
+            f"expert-LoRA params {self.lora_params:,}; routed-expert weights {fmt_bytes(self.expert_bytes)} in RAM"
         )
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..log import fmt_bytes
 from .plan import PlacementPlan
 
 TRAIN_STATE_BYTES = 16  # per trainable parameter: fp32 weight + grad + 2 AdamW moments
@@ -191,10 +192,6 @@ def check_budgets(report: dict, gpu_gib: float | None, cpu_gib: float | None) ->
             d["fits"] = d["total_bytes"] <= d["budget_bytes"]
 
 
-def _size(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.2f} MiB"
-
-
 def format_report(report: dict, model_dir: str) -> str:
     """The human table of ``kt-ft rules plan``."""
     s = report["sizes"]
@@ -213,10 +210,10 @@ def format_report(report: dict, model_dir: str) -> str:
         f"  {'device':<8}{'weights':>12}{'LoRA+optim':>12}{'activations':>12}{'total':>12}{'budget':>12}  fits",
     ]
     for name, d in sorted(report["devices"].items(), key=lambda kv: kv[0] != "cpu"):
-        budget = _size(d["budget_bytes"]) if "budget_bytes" in d else "-"
+        budget = fmt_bytes(d["budget_bytes"]) if "budget_bytes" in d else "-"
         fits = {True: "yes", False: "NO"}.get(d.get("fits"), "-")
         sizes = (d["param_bytes"], d["train_state_bytes"], d["activation_bytes"], d["total_bytes"])
-        lines.append(f"  {name:<8}" + "".join(f"{_size(n):>12}" for n in sizes) + f"{budget:>12}  {fits}")
+        lines.append(f"  {name:<8}" + "".join(f"{fmt_bytes(n):>12}" for n in sizes) + f"{budget:>12}  {fits}")
     lines.append(
         "  (LoRA+optim: 16 bytes per trainable parameter; activations: estimate, kt_ft/rules/report.py)"
     )
