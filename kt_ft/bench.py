@@ -132,22 +132,29 @@ def bench_gemm(p: Preset, tokens: int, threads: int, repeat: int, gen: torch.Gen
     return out
 
 
+def available_backends(asked: list[str] | None) -> list[str]:
+    """The asked backends (default: every registered one) that can run here; the others are
+    skipped with their reason printed."""
+    names = []
+    for n in asked or list(BACKENDS):
+        reason = BACKENDS[n].unavailable_reason(torch.bfloat16) if n in BACKENDS else "unknown backend"
+        if reason is None:
+            names.append(n)
+        else:
+            print(f"skipping backend {n}: {reason}")
+    return names
+
+
 def run(
     preset: str,
     tokens: list[int],
-    backends: list[str] | None,
+    backends: list[str],
     threads: int,
     repeat: int,
-    json_path: str | None,
 ) -> list[Record]:
     p = PRESETS[preset]
     gen = torch.Generator().manual_seed(0)
-    names = backends or [n for n, cls in BACKENDS.items() if cls.unavailable_reason(torch.bfloat16) is None]
-    for n in list(names):
-        reason = BACKENDS[n].unavailable_reason(torch.bfloat16) if n in BACKENDS else "unknown backend"
-        if reason is not None:
-            print(f"skipping backend {n}: {reason}")
-            names.remove(n)
+    names = list(backends)
     records: list[Record] = []
     layer = random_layer(p, 8, gen) if names else None
     jobs = [(t, n) for t in tokens for n in [*names, "gemm"]]
@@ -168,12 +175,17 @@ def run(
     for r in records:
         tok = f"{r.tok_s:,.0f}" if r.tok_s else "-"
         print(f"{r.name:<28}{r.tokens:>8}{r.seconds * 1e3:>10.2f}{tok:>10}{r.tflops:>9.3f}")
-    if json_path:
-        meta = {
-            "machine": platform.processor() or platform.machine(),
-            "torch": torch.__version__,
-            "threads": threads,
-        }
-        with open(json_path, "w") as f:
-            json.dump({"meta": meta, "records": [asdict(r) for r in records]}, f, indent=1)
     return records
+
+
+def write_json(path: str, threads: int, records: list) -> None:
+    """All records (op, gemm, step) with the machine's facts: every ratio computable from the file."""
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": threads,
+    }
+    if torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name(0)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "records": [asdict(r) for r in records]}, f, indent=1)

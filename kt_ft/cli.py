@@ -82,13 +82,33 @@ def _rules_plan(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import PRESETS, run
+    from .bench import PRESETS, available_backends, run, write_json
+    from .bench_step import SYSTEMS, run_step
 
     if args.preset not in PRESETS:
         raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    backends = args.backends.split(",") if args.backends else None
-    run(args.preset, tokens, backends, args.threads, args.repeat, args.json)
+    parts = args.parts.split(",")
+    for part in parts:
+        if part not in ("op", "step"):
+            raise KTConfigError(f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step")
+    systems = args.systems.split(",")
+    for s in systems:
+        if s not in SYSTEMS:
+            raise KTConfigError(
+                f"--systems {args.systems!r}: {s!r} is unknown; valid choices: {', '.join(SYSTEMS)}"
+            )
+    backends = available_backends(args.backends.split(",") if args.backends else None)
+    records: list = []
+    if "op" in parts:
+        records += run(
+            args.preset, [int(t) for t in args.tokens.split(",")], backends, args.threads, args.repeat
+        )
+    if "step" in parts:
+        step_backends = [b for b in backends if b != "reference"]  # the plain loop: minutes per step
+        records += run_step(args.preset, args.layers, args.seq, systems, step_backends, args.threads,
+                            args.steps, args.gpu_cap)  # fmt: skip
+    if args.json:
+        write_json(args.json, args.threads, records)
     return 0
 
 
@@ -134,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     bench.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is kept)")
     bench.add_argument("--json", default=None, help="also write the records to this JSON file")
+    bench.add_argument(
+        "--parts", default="op,step", help="op (the CPU expert op alone), step (full training step)"
+    )
+    bench.add_argument(
+        "--systems", default="kt-ft,peft-gpu,offload", help="full-step systems: kt-ft, peft-gpu, offload"
+    )
+    bench.add_argument("--layers", type=int, default=None, help="decoder layers in the full step (default 4)")
+    bench.add_argument("--seq", type=int, default=2048, help="tokens per full training step")
+    bench.add_argument("--steps", type=int, default=3, help="timed full steps (after one warm-up; best kept)")
+    bench.add_argument(
+        "--gpu-cap", type=float, default=24.0, help="offload's GPU memory cap in GiB, for the full model"
+    )
     bench.set_defaults(func=_bench)
 
     conv = sub.add_parser(

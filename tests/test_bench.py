@@ -4,6 +4,7 @@ record per backend and ceiling. No speed is asserted (CI machines vary; see READ
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import sys
 def test_bench_tiny_writes_records(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "tiny", "--tokens", "32",
+        [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "tiny", "--parts", "op", "--tokens", "32",
          "--backends", "torch,reference", "--repeat", "1", "--threads", "1", "--json", str(out)],
         capture_output=True,
         text=True,
@@ -32,3 +33,34 @@ def test_bench_unknown_preset_is_an_error():
         [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "huge"], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "--preset 'huge' is unknown; valid choices: tiny" in proc.stderr
+
+
+def test_bench_step_tiny_runs_each_system(tmp_path):
+    """The full-step part on the tiny preset: kt-ft and plain PEFT each train (finite losses,
+    positive times, peak RSS recorded); on the CPU the offload system is skipped with a reason."""
+    out = tmp_path / "step.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "tiny", "--parts", "step", "--backends", "torch",
+         "--seq", "64", "--steps", "1", "--threads", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "full training step, tiny: 2 of 2 layers" in proc.stdout
+    steps = {r["name"]: r for r in json.loads(out.read_text())["records"] if r["kind"] == "step"}
+    assert set(steps) == {"kt-ft[torch]", "peft-cpu"}, proc.stdout[-2000:]
+    for r in steps.values():
+        assert r["tokens"] == 64 and r["seconds"] > 0 and r["peak_rss_bytes"] > 0
+        assert len(r["losses"]) == 2 and all(math.isfinite(v) for v in r["losses"])
+    # same model, same data: the first step's loss (before any update) agrees across systems
+    a, b = steps["kt-ft[torch]"]["losses"][0], steps["peft-cpu"]["losses"][0]
+    assert abs(a - b) < 0.05 * abs(b), (a, b)
+    assert "skipping offload" in proc.stdout
+
+
+def test_bench_unknown_part_is_an_error():
+    proc = subprocess.run(
+        [sys.executable, "-m", "kt_ft.cli", "bench", "--parts", "op,speed"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "'speed' is unknown; valid choices: op, step" in proc.stderr

@@ -44,3 +44,21 @@ def test_gpu_bf16_trains():
     batches = [torch.randint(1, 97, (2, 16), device="cuda") for _ in range(3)]
     losses = train(kt_model, batches, 6, gc=True)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+
+
+def test_pinned_staging_reuse_keeps_queued_copies_intact():
+    """Results go back through one reused pinned buffer without blocking the host: a second
+    result written into it must not change the first one's queued copy (fresh random data,
+    bitwise)."""
+    from kt_ft.moe.transfer import PinnedStaging
+
+    st = PinnedStaging()
+    dev = torch.device("cuda")
+    torch.cuda._sleep(50_000_000)  # keep the stream busy so the copies are still queued
+    a, b = torch.randn(512, 256), torch.randn(512, 256)
+    ga = st.to_device(a, dev, torch.bfloat16, "out")
+    gb = st.to_device(b, dev, torch.bfloat16, "out")
+    torch.testing.assert_close(ga.cpu(), a.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(gb.cpu(), b.bfloat16(), rtol=0, atol=0)
+    back = st.to_host(gb, "in")
+    assert back.is_pinned() and torch.equal(back, b.bfloat16())

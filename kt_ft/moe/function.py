@@ -7,6 +7,8 @@ inputs are bit-identical, so the CPU expert forward runs once per layer per step
 
 ``CPUExpertsFunction`` moves the layer input to the CPU, runs the backend chunk by chunk
 (at most ``chunk_size`` tokens per call), and returns the output on the input's device.
+From and to a GPU the copies go through pinned, reused host buffers (``transfer.STAGING``);
+results go back without blocking the host.
 Its backward returns the gradients of hidden_states and of the routing weights (so a
 trainable router learns) and of the six expert-LoRA tensors, which autograd accumulates
 into their ``.grad``.
@@ -15,11 +17,15 @@ into their ``.grad``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 
 import torch
 
 from ..kernels.base import ExpertBackend, ExpertWeights, LoraTensors
+from .transfer import STAGING
+
+_RUNNER_IDS = itertools.count()
 
 
 @contextlib.contextmanager
@@ -36,10 +42,12 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def inputs_to_cpu(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The op's inputs as detached CPU tensors (no copy when already there)."""
-    cpu = torch.device("cpu")
-    return x.detach().to(cpu), ids.to(cpu), weights.detach().to(cpu)
+def inputs_to_cpu(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, key: str
+) -> tuple[torch.Tensor, ...]:
+    """The op's inputs as detached CPU tensors: no copy when already there, else through the
+    pinned buffers ``key``/x, /ids, /w (valid until that key's next use)."""
+    return tuple(STAGING.to_host(t, f"{key}/{n}") for t, n in ((x, "x"), (ids, "ids"), (weights, "w")))
 
 
 class ExpertRunner:
@@ -60,6 +68,9 @@ class ExpertRunner:
         self.threads = threads
         self.forward_calls = 0  # backend forwards run (a test checks checkpointing adds none)
         self.stash_hits = 0
+        # this layer's pinned input buffers: a stash (and kt-kernel's context) keeps the inputs
+        # until this layer's backward, so they cannot share buffers with other layers
+        self.key = f"layer{next(_RUNNER_IDS)}"
         self._stash: tuple | None = None
         backend.prepare(base, threads, chunk_size)
 
@@ -70,13 +81,16 @@ class ExpertRunner:
         pass before the backward reuses them instead of running the CPU experts again.
         One entry per layer: a layer is recomputed before the next forward of the same layer.
         """
-        x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights)
+        x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights, self.key)
         out, saved = self.forward(x_c, ids_c, w_c, lora, needs_grad=True)
         self._stash = (x_c, ids_c, w_c, out, saved)
-        return out.to(device=x.device, dtype=x.dtype)
+        return STAGING.to_device(out, x.device, x.dtype, "out")
+
+    def has_stash(self) -> bool:
+        return self._stash is not None
 
     def take_stash(self, x, ids, weights):
-        """(out, saved) kept by forward_and_stash for exactly these inputs, else None."""
+        """(out, saved) kept by forward_and_stash for exactly these (CPU) inputs, else None."""
         stash, self._stash = self._stash, None
         if stash is None:
             return None
@@ -127,24 +141,29 @@ class CPUExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ids, weights, runner: ExpertRunner, *lora):
         needs_grad = any(ctx.needs_input_grad)
-        x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights)
-        hit = runner.take_stash(x_c, ids_c, w_c) if needs_grad else None
-        out, saved = (
-            hit if hit is not None else runner.forward(x_c, ids_c, w_c, LoraTensors(*lora), needs_grad)
-        )
+        hit = None
+        if needs_grad and runner.has_stash():
+            # the recompute's inputs go to a shared buffer: the stash still holds this layer's own
+            hit = runner.take_stash(*inputs_to_cpu(x, ids, weights, "recompute"))
+        if hit is None:
+            x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights, runner.key)
+            hit = runner.forward(x_c, ids_c, w_c, LoraTensors(*lora), needs_grad)
+        out, saved = hit
         ctx.runner = runner
         ctx.saved = saved
         ctx.x_meta = (x.device, x.dtype)
         ctx.w_meta = (weights.device, weights.dtype)
         ctx.lora_dtypes = [t.dtype for t in lora]
-        return out.to(device=x.device, dtype=x.dtype)
+        return STAGING.to_device(out, x.device, x.dtype, "out")
 
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.saved is None or any(c is None for c in ctx.saved):
             raise RuntimeError("kt-ft: CPU expert backward called without saved forward state")
-        grad_x, grad_w, lora_grads = ctx.runner.backward(ctx.saved, grad_out.detach().to("cpu"))
+        # grad_out's buffer is shared: the backends read it before they return
+        grad_x, grad_w, lora_grads = ctx.runner.backward(ctx.saved, STAGING.to_host(grad_out, "grad_out"))
         dev, dt = ctx.x_meta
         wdev, wdt = ctx.w_meta
         lg = [g.to(d) for g, d in zip(lora_grads, ctx.lora_dtypes)]
-        return grad_x.to(device=dev, dtype=dt), None, grad_w.to(device=wdev, dtype=wdt), None, *lg
+        gx = STAGING.to_device(grad_x, dev, dt, "grad_x")
+        return gx, None, STAGING.to_device(grad_w, wdev, wdt, "grad_w"), None, *lg

@@ -1,0 +1,345 @@
+"""`kt-ft bench --step`: one full training step (forward, backward, AdamW) of a whole model,
+kt-ft against the alternatives, each system in its own process (own peak GPU memory and RSS).
+
+Systems, all on the same random-weight model (a preset's real layer shapes, ``--layers`` of
+them, bf16, saved once to a temporary directory), LoRA r 8 / alpha 16 on attention
+(q, k, v, o) and on the routed experts, gradient checkpointing on (LLaMA-Factory's default),
+one sequence of ``--seq`` tokens per step:
+
+- ``kt-ft[<backend>]``: routed experts loaded straight into CPU RAM and computed there by the
+  backend (their LoRA trained by kt-ft), everything else on the GPU with PEFT.
+- ``peft-gpu``: transformers + PEFT all on the GPU; expert LoRA through PEFT's
+  ``target_parameters`` (the installed PEFT's reach for fused experts).
+- ``offload``: transformers with accelerate's CPU offload (``device_map="auto"``) under a GPU
+  memory cap, same LoRA as ``peft-gpu``. The cap is given for the full model (default 24 GiB)
+  and scaled by the share of its parameter bytes the benchmarked layers hold, so a 4-layer
+  run offloads the same fraction a 48-layer run would.
+
+Without CUDA (CI, laptops) the GPU systems run on the CPU and ``offload`` is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+LORA_RANK, LORA_ALPHA = 8, 16
+SYSTEMS = ("kt-ft", "peft-gpu", "offload")
+
+# (transformers model_type, config of the real model with `num_hidden_layers` = the real count)
+MODEL_CONFIGS: dict[str, tuple[str, dict]] = {
+    "tiny": (
+        "qwen3_moe",
+        dict(
+            hidden_size=256,
+            intermediate_size=512,
+            moe_intermediate_size=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            vocab_size=1024,
+        ),
+    ),  # fmt: skip
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),  # fmt: skip
+    "deepseek-v2-lite": (
+        "deepseek_v2",
+        dict(
+            hidden_size=2048,
+            intermediate_size=10944,
+            moe_intermediate_size=1408,
+            n_routed_experts=64,
+            n_shared_experts=2,
+            num_experts_per_tok=6,
+            first_k_dense_replace=1,
+            num_hidden_layers=27,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            kv_lora_rank=512,
+            q_lora_rank=None,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            head_dim=64,
+            vocab_size=102400,
+            topk_method="greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+        ),
+    ),  # fmt: skip
+}
+
+
+@dataclass
+class StepRecord:
+    name: str  # system, e.g. "kt-ft[torch]", "peft-gpu", "offload"
+    kind: str  # "step"
+    preset: str
+    tokens: int  # tokens per step
+    seconds: float  # best step time
+    tok_s: float | None
+    layers: int
+    real_layers: int
+    peak_gpu_bytes: int | None
+    peak_rss_bytes: int
+    losses: list[float] = field(default_factory=list)
+    note: str = ""
+
+
+def build_model_dir(preset: str, layers: int, out: Path, seed: int = 0) -> tuple[Path, float]:
+    """Save a random bf16 model of ``preset`` with ``layers`` decoder layers; returns (dir, the
+    share of the full model's parameter count these layers hold)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, cfg = MODEL_CONFIGS[preset]
+    real_layers = cfg["num_hidden_layers"]
+    config = AutoConfig.for_model(model_type, **{**cfg, "num_hidden_layers": layers})
+    full = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        n_full = sum(p.numel() for p in AutoModelForCausalLM.from_config(full).parameters())
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    n = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(out)
+    del model
+    assert real_layers >= layers
+    return out, n / n_full
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .lora import lora_scaling
+    from .models import family_of
+    from .moe.loading import planned_device_map
+    from .moe.patch import replace_routed_experts
+    from .rules import load_rules, make_plan, resolve_rule_path
+
+    config = AutoConfig.from_pretrained(model_dir)
+    family = family_of(config)
+    rules = load_rules(resolve_rule_path(family.builtin_rule))
+    device_map = None
+    if device.type == "cuda":
+        device_map, _ = planned_device_map(config, rules, family, backend, threads, device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map=device_map)
+    model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=ATTN))
+    plan = make_plan(model, rules, family, backend, threads)
+    summary = replace_routed_experts(model, plan, LORA_RANK, lora_scaling(LORA_ALPHA, LORA_RANK), seq, seed=0)
+    model.to(device)  # what the HF Trainer does; KTExperts stay on the CPU
+    return model, f"backend {summary.backend}, {summary.threads} threads"
+
+
+def _peft_config(with_experts: bool):
+    from peft import LoraConfig
+
+    extra = {"target_parameters": EXPERT_PARAMS} if with_experts else {}
+    return LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=ATTN, **extra)
+
+
+def _load_peft(model_dir: str, device, device_map, max_memory=None):
+    """transformers + PEFT with expert LoRA where the installed PEFT reaches fused experts."""
+    import warnings
+
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, device_map=device_map, max_memory=max_memory
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PEFT warns "unsupported layer type" for fused experts
+            return get_peft_model(
+                model, _peft_config(True)
+            ), "LoRA on attention + experts (target_parameters)"
+    except (TypeError, ValueError) as e:  # a PEFT without target_parameters for these experts
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, device_map=device_map, max_memory=max_memory
+        )
+        return get_peft_model(model, _peft_config(False)), f"LoRA on attention only ({e})"
+
+
+def worker(args: argparse.Namespace) -> StepRecord:
+    """Load one system, train ``warmup + steps`` steps, report the best step time."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda:0" if cuda else "cpu")
+    torch.set_num_threads(args.threads)
+    name = args.system
+    if args.system == "kt-ft":
+        model, note = _load_kt(args.model, device, args.backend, args.threads, args.seq)
+        name = f"kt-ft[{args.backend}]"
+    elif args.system == "peft-gpu":
+        model, note = _load_peft(args.model, device, {"": device})
+        name = "peft-gpu" if cuda else "peft-cpu"  # without CUDA the "all on the GPU" system runs on the CPU
+    else:
+        cap = f"{args.gpu_cap_gib:.2f}GiB"
+        model, note = _load_peft(args.model, device, "auto", {0: cap, "cpu": "1000GiB"})
+        devices = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
+        note += f"; GPU cap {cap}; device map uses {', '.join(devices)}"
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    best = min(times[args.warmup :])
+    return StepRecord(
+        name=name,
+        kind="step",
+        preset=args.preset,
+        tokens=args.seq,
+        seconds=best,
+        tok_s=args.seq / best,
+        layers=model.config.num_hidden_layers,
+        real_layers=MODEL_CONFIGS[args.preset][1]["num_hidden_layers"],
+        peak_gpu_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+        peak_rss_bytes=_peak_rss(),
+        losses=losses,
+        note=note,
+    )
+
+
+def run_step(
+    preset: str,
+    layers: int | None,
+    seq: int,
+    systems: list[str],
+    backends: list[str],
+    threads: int,
+    steps: int,
+    gpu_cap_gib: float,
+    timeout_s: int = 900,
+) -> list[StepRecord]:
+    """Every system on one saved random model, each in a subprocess; failures are printed."""
+    import torch
+    from tqdm import tqdm
+
+    _, cfg = MODEL_CONFIGS[preset]
+    layers = layers or min(cfg["num_hidden_layers"], 4)
+    cuda = torch.cuda.is_available()
+    jobs = []
+    for s in systems:
+        if s == "offload" and not cuda:
+            print("skipping offload: accelerate CPU offload needs a CUDA GPU")
+        elif s == "kt-ft":
+            jobs.extend(("kt-ft", b) for b in backends)
+        else:
+            jobs.append((s, ""))
+    records: list[StepRecord] = []
+    with tempfile.TemporaryDirectory(prefix="kt-ft-bench-") as tmp:
+        model_dir, share = build_model_dir(preset, layers, Path(tmp) / "model")
+        cap = gpu_cap_gib * share
+        for system, backend in tqdm(jobs, desc=f"step bench {preset}", unit="system"):
+            out = Path(tmp) / f"{system}-{backend}.json"
+            cmd = [sys.executable, "-m", "kt_ft.bench_step", "--system", system, "--backend", backend or "auto",
+                   "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
+                   "--steps", str(steps), "--gpu-cap-gib", f"{cap:.4f}", "--out", str(out)]  # fmt: skip
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                print(f"{system} {backend}: timed out after {timeout_s} s")
+                continue
+            if proc.returncode != 0 or not out.exists():
+                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+                print(f"{system} {backend}: failed (exit {proc.returncode}):\n{tail}")
+                continue
+            records.append(StepRecord(**json.loads(out.read_text())))
+    print_step_table(records, share)
+    return records
+
+
+def print_step_table(records: list[StepRecord], share: float | None = None) -> None:
+    if not records:
+        return
+    r0 = records[0]
+    print(
+        f"\nfull training step, {r0.preset}: {r0.layers} of {r0.real_layers} layers"
+        + (f" ({share:.1%} of the parameters)" if share else "")
+        + f", seq {r0.tokens}, LoRA r {LORA_RANK} on attention + experts, gradient checkpointing, AdamW"
+    )
+    print(f"{'system':<22}{'step ms':>10}{'tok/s':>10}{'peak GPU':>12}{'peak RSS':>12}  note")
+    for r in records:
+        gpu = f"{r.peak_gpu_bytes / 2**30:.2f} GiB" if r.peak_gpu_bytes is not None else "-"
+        print(
+            f"{r.name:<22}{r.seconds * 1e3:>10.1f}{r.tok_s:>10,.0f}{gpu:>12}"
+            f"{r.peak_rss_bytes / 2**30:>8.2f} GiB  {r.note}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description="one system of the full-step benchmark (run by kt-ft bench --step)"
+    )
+    p.add_argument("--system", choices=SYSTEMS, required=True)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--model", required=True)
+    p.add_argument("--preset", choices=list(MODEL_CONFIGS), required=True)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--gpu-cap-gib", type=float, default=24.0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    rec = worker(args)
+    Path(args.out).write_text(json.dumps(asdict(rec)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
