@@ -155,7 +155,7 @@ def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int):
     rules = load_rules(resolve_rule_path(family.builtin_rule))
     device_map = None
     if device.type == "cuda":
-        device_map, _ = planned_device_map(config, rules, family, backend, threads, device)
+        device_map, _ = planned_device_map(config, rules, family, backend, threads, str(device))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map=device_map)
     model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=ATTN))
     plan = make_plan(model, rules, family, backend, threads)
