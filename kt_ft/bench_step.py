@@ -11,9 +11,15 @@ one sequence of ``--seq`` tokens per step:
 - ``peft-gpu``: transformers + PEFT all on the GPU; expert LoRA through PEFT's
   ``target_parameters`` (the installed PEFT's reach for fused experts).
 - ``offload``: transformers with accelerate's CPU offload (``device_map="auto"``) under a GPU
-  memory cap, same LoRA as ``peft-gpu``. The cap is given for the full model (default 24 GiB)
+  memory cap, LoRA on attention only: PEFT's ``target_parameters`` LoRA fails on offloaded
+  (meta) expert weights (PEFT 0.21: "unsupported scalarType" in its autocast guard), so this
+  system does less work than the others. The cap is given for the full model (default 24 GiB)
   and scaled by the share of its parameter bytes the benchmarked layers hold, so a 4-layer
   run offloads the same fraction a 48-layer run would.
+
+With two or more layer counts (``--layers 2,4``) every system runs at each, and a line fitted
+through the two largest (time and peak GPU memory are affine in the layer count: fixed
+embeddings and head, the same work per layer) extrapolates to the real model's layer count.
 
 Without CUDA (CI, laptops) the GPU systems run on the CPU and ``offload`` is skipped.
 """
@@ -171,7 +177,7 @@ def _peft_config(with_experts: bool):
     return LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=ATTN, **extra)
 
 
-def _load_peft(model_dir: str, device, device_map, max_memory=None):
+def _load_peft(model_dir: str, device, device_map, max_memory=None, experts: bool = True):
     """transformers + PEFT with expert LoRA where the installed PEFT reaches fused experts."""
     import warnings
 
@@ -182,6 +188,8 @@ def _load_peft(model_dir: str, device, device_map, max_memory=None):
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16, device_map=device_map, max_memory=max_memory
     )
+    if not experts:
+        return get_peft_model(model, _peft_config(False)), "LoRA on attention only"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PEFT warns "unsupported layer type" for fused experts
@@ -211,7 +219,7 @@ def worker(args: argparse.Namespace) -> StepRecord:
         name = "peft-gpu" if cuda else "peft-cpu"  # without CUDA the "all on the GPU" system runs on the CPU
     else:
         cap = f"{args.gpu_cap_gib:.2f}GiB"
-        model, note = _load_peft(args.model, device, "auto", {0: cap, "cpu": "1000GiB"})
+        model, note = _load_peft(args.model, device, "auto", {0: cap, "cpu": "1000GiB"}, experts=False)
         devices = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
         note += f"; GPU cap {cap}; device map uses {', '.join(devices)}"
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
@@ -224,8 +232,12 @@ def worker(args: argparse.Namespace) -> StepRecord:
     ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    from .moe.experts import KTExperts
+
+    runners = [m.runner for m in model.modules() if isinstance(m, KTExperts)]
+    times, losses, busy = [], [], []
     for _ in range(args.warmup + args.steps):
+        busy0 = sum(r.busy_s for r in runners)
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -236,8 +248,12 @@ def worker(args: argparse.Namespace) -> StepRecord:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        busy.append(sum(r.busy_s for r in runners) - busy0)
         losses.append(float(loss))
     best = min(times[args.warmup :])
+    if runners:  # how much of the step the CPU experts take: what overlapping could hide is the rest
+        i = times.index(best)
+        note += f"; CPU expert op {busy[i] * 1e3:.0f} ms of the step ({busy[i] / best:.0%})"
     return StepRecord(
         name=name,
         kind="step",
@@ -256,7 +272,7 @@ def worker(args: argparse.Namespace) -> StepRecord:
 
 def run_step(
     preset: str,
-    layers: int | None,
+    layers: list[int] | None,
     seq: int,
     systems: list[str],
     backends: list[str],
@@ -267,10 +283,9 @@ def run_step(
 ) -> list[StepRecord]:
     """Every system on one saved random model, each in a subprocess; failures are printed."""
     import torch
-    from tqdm import tqdm
 
     _, cfg = MODEL_CONFIGS[preset]
-    layers = layers or min(cfg["num_hidden_layers"], 4)
+    layers = sorted(set(layers or [min(cfg["num_hidden_layers"], 4)]))
     cuda = torch.cuda.is_available()
     jobs = []
     for s in systems:
@@ -281,10 +296,44 @@ def run_step(
         else:
             jobs.append((s, ""))
     records: list[StepRecord] = []
+    for n_layers in layers:
+        records += _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeout_s)
+    if len(layers) > 1:
+        records += extrapolate(records, layers[-2], layers[-1])
+        print_step_table([r for r in records if r.kind == "step-extrapolated"])
+    return records
+
+
+def extrapolate(records: list[StepRecord], l1: int, l2: int) -> list[StepRecord]:
+    """Per system, the line through its l1- and l2-layer runs evaluated at the real layer count."""
+    out = []
+    by = {(r.name, r.layers): r for r in records if r.kind == "step"}
+    for name in dict.fromkeys(r.name for r in records if r.kind == "step"):
+        a, b = by.get((name, l1)), by.get((name, l2))
+        if a is None or b is None:
+            continue
+        n = b.real_layers
+
+        def at(va, vb, n=n):
+            return va + (vb - va) * (n - l1) / (l2 - l1)
+
+        sec = at(a.seconds, b.seconds)
+        gpu = None if a.peak_gpu_bytes is None else int(at(a.peak_gpu_bytes, b.peak_gpu_bytes))
+        out.append(
+            StepRecord(name, "step-extrapolated", b.preset, b.tokens, sec, b.tokens / sec, n, n, gpu,
+                       int(at(a.peak_rss_bytes, b.peak_rss_bytes)), [], f"fitted through {l1} and {l2} layers")
+        )  # fmt: skip
+    return out
+
+
+def _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeout_s) -> list[StepRecord]:
+    from tqdm import tqdm
+
+    records: list[StepRecord] = []
     with tempfile.TemporaryDirectory(prefix="kt-ft-bench-") as tmp:
-        model_dir, share = build_model_dir(preset, layers, Path(tmp) / "model")
+        model_dir, share = build_model_dir(preset, n_layers, Path(tmp) / "model")
         cap = gpu_cap_gib * share
-        for system, backend in tqdm(jobs, desc=f"step bench {preset}", unit="system"):
+        for system, backend in tqdm(jobs, desc=f"step bench {preset} x{n_layers} layers", unit="system"):
             out = Path(tmp) / f"{system}-{backend}.json"
             cmd = [sys.executable, "-m", "kt_ft.bench_step", "--system", system, "--backend", backend or "auto",
                    "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
@@ -307,8 +356,9 @@ def print_step_table(records: list[StepRecord], share: float | None = None) -> N
     if not records:
         return
     r0 = records[0]
+    kind = "extrapolated " if r0.kind == "step-extrapolated" else ""
     print(
-        f"\nfull training step, {r0.preset}: {r0.layers} of {r0.real_layers} layers"
+        f"\n{kind}full training step, {r0.preset}: {r0.layers} of {r0.real_layers} layers"
         + (f" ({share:.1%} of the parameters)" if share else "")
         + f", seq {r0.tokens}, LoRA r {LORA_RANK} on attention + experts, gradient checkpointing, AdamW"
     )

@@ -105,7 +105,8 @@ def _bench(args: argparse.Namespace) -> int:
         )
     if "step" in parts:
         step_backends = [b for b in backends if b != "reference"]  # the plain loop: minutes per step
-        records += run_step(args.preset, args.layers, args.seq, systems, step_backends, args.threads,
+        layers = [int(v) for v in args.layers.split(",")] if args.layers else None
+        records += run_step(args.preset, layers, args.seq, systems, step_backends, args.threads,
                             args.steps, args.gpu_cap)  # fmt: skip
     if args.json:
         write_json(args.json, args.threads, records)
@@ -160,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--systems", default="kt-ft,peft-gpu,offload", help="full-step systems: kt-ft, peft-gpu, offload"
     )
-    bench.add_argument("--layers", type=int, default=None, help="decoder layers in the full step (default 4)")
+    bench.add_argument(
+        "--layers", default=None, help="decoder layers in the full step, comma-separated counts (default 4)"
+    )
     bench.add_argument("--seq", type=int, default=2048, help="tokens per full training step")
     bench.add_argument("--steps", type=int, default=3, help="timed full steps (after one warm-up; best kept)")
     bench.add_argument(

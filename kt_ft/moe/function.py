@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator
 
 import torch
@@ -68,6 +69,7 @@ class ExpertRunner:
         self.threads = threads
         self.forward_calls = 0  # backend forwards run (a test checks checkpointing adds none)
         self.stash_hits = 0
+        self.busy_s = 0.0  # wall time inside the backend (forward + backward), for benchmarks
         # this layer's pinned input buffers: a stash (and kt-kernel's context) keeps the inputs
         # until this layer's backward, so they cannot share buffers with other layers
         self.key = f"layer{next(_RUNNER_IDS)}"
@@ -103,6 +105,7 @@ class ExpertRunner:
     def forward(self, x, ids, weights, lora: LoraTensors, needs_grad: bool):
         """x [T, H], ids [T, k], weights [T, k], all on the CPU -> (out [T, H] float32, ctxs)."""
         self.forward_calls += 1
+        t0 = time.perf_counter()
         outs, ctxs = [], []
         with torch_threads(self.threads):
             for start in range(0, x.shape[0], self.chunk_size):
@@ -118,9 +121,11 @@ class ExpertRunner:
                 )
                 outs.append(out)
                 ctxs.append(ctx)
+        self.busy_s += time.perf_counter() - t0
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), ctxs
 
     def backward(self, ctxs, grad_out: torch.Tensor):
+        t0 = time.perf_counter()
         gxs, gws, lora_grads = [], [], None
         with torch_threads(self.threads):
             for i, ctx in enumerate(ctxs):
@@ -132,6 +137,7 @@ class ExpertRunner:
                     gl if lora_grads is None else LoraTensors(*(a.add_(b) for a, b in zip(lora_grads, gl)))
                 )
         cat = (lambda ts: ts[0]) if len(gxs) == 1 else torch.cat
+        self.busy_s += time.perf_counter() - t0
         return cat(gxs), cat(gws), lora_grads
 
 
