@@ -203,3 +203,15 @@ def test_merge_refuses_an_mxfp4_base(gpt_oss_adapter, tmp_path):
     with pytest.raises(KTConfigError, match=r"model.layers.0.mlp.experts MXFP4-quantized.*kt-ft convert"):
         merge_adapter(out, tmp_path / "m", base=base)
     assert json.loads((base / "config.json").read_text())["model_type"] == "gpt_oss"
+
+
+def test_rules_plan_reads_the_gpt_oss_layout(gpt_oss_adapter, capsys):
+    """`kt-ft rules plan` on the gpt_oss demo: expert LoRA counted from [E, H, 2I] (H 64, I 32), as
+    the model built it (r 8 by default: 2 layers x 3 x E 8 x r 8 x (H + I))."""
+    from kt_ft.cli import main
+
+    assets, _, model, _ = gpt_oss_adapter
+    assert main(["rules", "plan", "--rule", "gpt_oss", "--model", str(assets / "model"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    built = sum(p.numel() for m in model.modules() if isinstance(m, KTExperts) for p in m.lora_tensors())
+    assert report["lora"]["expert_params"] == 2 * 3 * 8 * 8 * (64 + 32) == built

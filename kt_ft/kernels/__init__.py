@@ -37,7 +37,7 @@ def select_backend(
                 why = f"auto: {candidate} is the fastest backend that runs here"
                 # for experts only some backends compute, say why the faster ones were passed over
                 return BACKENDS[candidate](), why + (
-                    f" (skipped {'; '.join(skipped)})" if special and skipped else ""
+                    f"; skipped {'; '.join(skipped)}" if special and skipped else ""
                 )
             skipped.append(f"{candidate}: {reason}")
         raise KTConfigError("kt_backend=auto found no usable backend: " + "; ".join(skipped))

@@ -67,8 +67,8 @@ class KTKernelBackend(ExpertBackend):
     def unavailable_reason(cls, dtype: torch.dtype | None = None, spec=None) -> str | None:
         if spec is not None and not spec.is_default:
             return (
-                f"kt-kernel's AMXBF16_SFT kernel computes silu(gate) * up on [E, 2I, H] weights without biases; "
-                f"these experts are {spec.describe()}, with biases (gpt_oss): use kt_backend torch"
+                f"kt-kernel's AMXBF16_SFT kernel computes silu(gate) * up on [E, 2I, H] weights only, "
+                f"these experts are {spec.describe()}: use kt_backend torch"
             )
         if dtype is not None and dtype != BF16:
             return f"it needs bf16 expert weights, the model's are {dtype} (bf16: true in the recipe)"
