@@ -215,3 +215,60 @@ def test_rules_plan_reads_the_gpt_oss_layout(gpt_oss_adapter, capsys):
     report = json.loads(capsys.readouterr().out)
     built = sum(p.numel() for m in model.modules() if isinstance(m, KTExperts) for p in m.lora_tensors())
     assert report["lora"]["expert_params"] == 2 * 3 * 8 * 8 * (64 + 32) == built
+
+
+class GptOssExpertMLP(nn.Module):
+    """One gpt_oss expert as per-expert nn.Linear modules (with biases), the layout `kt-ft convert`
+    writes LoRA for: gate_proj / up_proj [I, H], down_proj [H, I]."""
+
+    def __init__(self, hf, e: int) -> None:
+        super().__init__()
+        h, two_i = hf.gate_up_proj.shape[1:]
+        self.gate_proj, self.up_proj = nn.Linear(h, two_i // 2), nn.Linear(h, two_i // 2)
+        self.down_proj = nn.Linear(two_i // 2, h)
+        self.alpha, self.limit = hf.alpha, hf.limit
+        gu, b = hf.gate_up_proj.detach()[e], hf.gate_up_proj_bias.detach()[e]  # [H, 2I], [2I]
+        with torch.no_grad():
+            for lin, w, bias in ((self.gate_proj, gu[:, 0::2].T, b[0::2]), (self.up_proj, gu[:, 1::2].T, b[1::2]),
+                                 (self.down_proj, hf.down_proj.detach()[e].T, hf.down_proj_bias.detach()[e])):  # fmt: skip
+                lin.weight.copy_(w)
+                lin.bias.copy_(bias)
+
+    def forward(self, x):
+        g = self.gate_proj(x).clamp(max=self.limit)
+        u = self.up_proj(x).clamp(-self.limit, self.limit)
+        return self.down_proj((u + 1) * g * torch.sigmoid(self.alpha * g))
+
+
+class PerExpertGptOss(nn.ModuleList):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self):
+            tok, slot = torch.nonzero(top_k_index == e, as_tuple=True)
+            if tok.numel():
+                out.index_add_(0, tok, expert(hidden_states[tok]) * top_k_weights[tok, slot, None])
+        return out
+
+
+def test_convert_gives_the_adapters_logits_on_a_per_expert_gpt_oss(gpt_oss_adapter, tmp_path):
+    """`kt-ft convert` (per-expert gate/up/down_proj LoRA, A [r, in], B [out, r]) loaded by PEFT on a
+    per-expert gpt_oss model (biases, clamped swish): the adapter's logits, fp32 rtol/atol 1e-5."""
+    from kt_adapters import TOKENS
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from kt_ft.cli import main
+
+    assets, out, _, ref = gpt_oss_adapter
+    assert main(["convert", str(out), str(tmp_path / "conv")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(str(assets / "model"), dtype=torch.float32)
+    with torch.no_grad():
+        plain = model(input_ids=TOKENS).logits
+    for layer in model.model.layers:
+        hf = layer.mlp.experts
+        layer.mlp.experts = PerExpertGptOss(GptOssExpertMLP(hf, e) for e in range(hf.num_experts))
+    with torch.no_grad():  # the per-expert module is the same model before any LoRA
+        torch.testing.assert_close(model(input_ids=TOKENS).logits, plain, rtol=1e-5, atol=1e-5)
+    peft_model = PeftModel.from_pretrained(model.eval(), str(tmp_path / "conv")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=TOKENS).logits.float(), ref, rtol=1e-5, atol=1e-5)
