@@ -117,6 +117,10 @@ def make_demo_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # HF inits gpt_oss's expert biases to zero; a real checkpoint's are not
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.normal_(0, 0.02)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(model_dir)

@@ -4,18 +4,42 @@ from __future__ import annotations
 
 import torch
 
-from kt_ft.kernels import ExpertWeights, LoraTensors
+from kt_ft.kernels import ExpertSpec, ExpertWeights, LoraTensors
+
+# transformers' GptOssExperts: [E, H, 2I] / [E, I, H], gate/up interleaved, clamped swish (1.702, 7)
+GPT_OSS_SPEC = ExpertSpec("gpt_oss_clamped", transposed=True, interleaved=True)
 
 
 def make_problem(
-    T: int, E: int, k: int, H: int, I: int, r: int, dtype: torch.dtype, gen: torch.Generator, ids=None
+    T: int,
+    E: int,
+    k: int,
+    H: int,
+    I: int,
+    r: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    ids=None,
+    spec: ExpertSpec | None = None,
+    bias_scale: float | None = None,
 ):
-    """Weights, LoRA (B non-zero so every path is exercised), inputs and an upstream grad."""
+    """Weights, LoRA (B non-zero so every path is exercised), inputs and an upstream grad.
+
+    ``spec``: the base weights' layout/activation (default: plain silu [E, 2I, H]);
+    ``bias_scale``: add gate_up/down biases N(0, bias_scale^2) (a large one pushes pre-activations
+    past a clamp limit)."""
 
     def rnd(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
 
-    base = ExpertWeights(gate_up=rnd(E, 2 * I, H, scale=H**-0.5), down=rnd(E, H, I, scale=I**-0.5))
+    spec = spec or ExpertSpec()
+    gate_up, down = rnd(E, 2 * I, H, scale=H**-0.5), rnd(E, H, I, scale=I**-0.5)
+    if spec.transposed:  # the same distribution, stored [E, H, 2I] / [E, I, H]
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    biases = (None, None)
+    if bias_scale is not None:
+        biases = (rnd(E, 2 * I, scale=bias_scale), rnd(E, H, scale=bias_scale))
+    base = ExpertWeights(gate_up, down, *biases, spec=spec)
     lora = LoraTensors(
         gate_a=rnd(E, r, H, scale=H**-0.5),
         gate_b=rnd(E, I, r, scale=0.5),

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_inputs import make_problem
+from moe_inputs import GPT_OSS_SPEC, make_problem
 
-from kt_ft.kernels import BACKENDS, LoraTensors, reference_moe
+from kt_ft.kernels import BACKENDS, ExpertSpec, LoraTensors, reference_moe
 from kt_ft.kernels.base import ExpertWeights
 from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
 
@@ -139,3 +139,144 @@ def test_torch_backend_recycles_saved_buffers_safely(rng):
     expect = fresh.backward(fresh.forward(x * 2, ids, w, base, lora, 1.0, True)[1], gy)
     for got, want in zip(be.backward(ctx2, gy), expect):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# --- experts that are not the plain silu layout (gpt_oss) -------------------------------------
+
+
+def _double(base: ExpertWeights) -> ExpertWeights:
+    b = [
+        None if t is None else t.double()
+        for t in (base.gate_up, base.down, base.gate_up_bias, base.down_bias)
+    ]
+    return ExpertWeights(*b, spec=base.spec)
+
+
+def pre_activations(base, lora, x, ids, s):
+    """(g, u) [pairs, I] of every routed (token, expert) pair, float64, LoRA and biases included."""
+    gs, us = [], []
+    for e in range(base.num_experts):
+        tok = torch.where(ids == e)[0]
+        wg, wu, _, bg, bu, _ = (None if t is None else t.double() for t in base.expert(e))
+        xe = x[tok].double()
+        la = [t[e].double() for t in lora]
+        gs.append(xe @ wg.T + bg + s * (xe @ la[0].T) @ la[1].T)
+        us.append(xe @ wu.T + bu + s * (xe @ la[2].T) @ la[3].T)
+    return torch.cat(gs), torch.cat(us)
+
+
+# gpt_oss's real constants (alpha 1.702, limit 7). fp32: gate/up biases N(0, 5^2) put about a
+# sixth of the pre-activations past the limit, so both sides of each clamp are exercised (checked
+# below); a value within fp32 rounding (~1e-6) of the limit has probability ~1e-7 per element.
+# bf16: a pre-activation within bf16 rounding (~0.03 at 7) of the limit lands on either side of the
+# clamp depending on summation order, and the gradient jumps there (the bf16 reference loop itself
+# is then 10-24% off the float64 truth), so the bf16 problems put the gate/up biases on the levels
+# -12, -1, 1, 12 with the rest of the pre-activation shrunk to std ~0.6 (checked: >= 1 from the
+# limit, 30x bf16 rounding there): every side of both clamps,
+# none near the limit. Over 40 seeds x 6 cases: worst fp32 1.0e-6, bf16 1.6e-2 (min distance to the
+# limit 1.46).
+GPT_OSS_BIAS = 5.0
+BF16_LEVELS = torch.tensor([-12.0, -1.0, 1.0, 12.0], dtype=torch.float64)
+
+
+def gpt_oss_problem(T, E, k, dtype, rng, ids=None):
+    base, lora, x, ids, w, gy = make_problem(
+        T, E, k, 64, 48, 4, dtype, rng, ids=ids, spec=GPT_OSS_SPEC, bias_scale=GPT_OSS_BIAS
+    )
+    if dtype == torch.bfloat16:
+        pick = torch.randint(0, 4, base.gate_up_bias.shape, generator=rng)
+        gate_up = (base.gate_up.double() * 0.25).to(dtype)
+        gate_up_bias = BF16_LEVELS[pick].to(dtype)
+        base = ExpertWeights(gate_up, base.down, gate_up_bias, base.down_bias, spec=base.spec)
+        lora = lora._replace(gate_b=lora.gate_b * 0.25, up_b=lora.up_b * 0.25)
+    return base, lora, x, ids, w, gy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_backend_gpt_oss_matches_reference(dtype, case, rng):
+    """gpt_oss experts (transposed, interleaved, biased, clamped swish): torch backend vs the float64
+    reference loop, same tolerances as the plain layout."""
+    c = CASES[case]
+    base, lora, x, ids, w, gy = gpt_oss_problem(c["T"], c["E"], c["k"], dtype, rng, ids=c["ids"])
+    if case == "random":  # enough pairs to require every side of both clamps
+        g, u = pre_activations(base, lora, x, ids, 2.0)
+        lim = GPT_OSS_SPEC.limit
+        assert (g > lim).any() and (g < lim).any() and (u > lim).any() and (u < -lim).any()
+        assert (u.abs() < lim).float().mean() > 0.3
+        if dtype == torch.bfloat16:
+            assert ((g - lim).abs().min() > 1) and ((u.abs() - lim).abs().min() > 1)
+    truth = run_backend(
+        "reference", _double(base), LoraTensors(*(t.double() for t in lora)), x.double(), ids, w.double(),
+        gy.double(), 2.0,
+    )  # fmt: skip
+    got = run_backend("torch", base, lora, x, ids, w, gy, 2.0)
+    assert_close(truth, got, TOL[dtype])
+
+
+# other combinations the variant path computes (fp32): each layout knob alone
+SPECS = {
+    "silu_with_biases": (ExpertSpec(), 0.5),
+    "silu_transposed_interleaved": (ExpertSpec(transposed=True, interleaved=True), None),
+    "clamped_halves_row_major": (ExpertSpec("gpt_oss_clamped", limit=1.0), 0.5),
+}
+
+
+@pytest.mark.parametrize("spec_case", list(SPECS))
+def test_torch_backend_layout_variants(spec_case, rng):
+    spec, bias = SPECS[spec_case]
+    base, lora, x, ids, w, gy = make_problem(
+        41, 6, 2, 32, 24, 4, torch.float32, rng, spec=spec, bias_scale=bias
+    )
+    assert not base.is_plain
+    truth = run_backend(
+        "reference", _double(base), LoraTensors(*(t.double() for t in lora)), x.double(), ids, w.double(),
+        gy.double(), 1.5,
+    )  # fmt: skip
+    assert_close(truth, run_backend("torch", base, lora, x, ids, w, gy, 1.5), TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", ["reference", *FAST])
+def test_gradcheck_float64_gpt_oss(backend, rng):
+    """float64 gradcheck through the op with the clamped activation; limit 0.5 so both sides of the
+    clamps occur in this small problem (a point within eps of the limit has probability ~1e-6)."""
+    spec = ExpertSpec("gpt_oss_clamped", transposed=True, interleaved=True, limit=0.5)
+    base, lora, x, ids, w, _ = make_problem(6, 4, 2, 8, 6, 2, torch.float64, rng, spec=spec, bias_scale=0.5)
+    runner = ExpertRunner(BACKENDS[backend](), base, 1.5, chunk_size=4, threads=None)
+    inputs = [x.requires_grad_(), w.requires_grad_(), *(t.requires_grad_() for t in lora)]
+
+    def f(x, w, *lora_t):
+        return CPUExpertsFunction.apply(x, ids, w, runner, *lora_t)
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_expert_views_of_the_gpt_oss_layout():
+    """ExpertWeights.expert reads the gpt_oss layout as per-projection weights without copying."""
+    e_, h, i = 2, 4, 3
+    gate_up = torch.arange(e_ * h * 2 * i, dtype=torch.float32).view(e_, h, 2 * i)
+    down = torch.arange(e_ * i * h, dtype=torch.float32).view(e_, i, h)
+    bias = torch.arange(e_ * 2 * i, dtype=torch.float32).view(e_, 2 * i)
+    base = ExpertWeights(gate_up, down, bias, torch.zeros(e_, h), spec=GPT_OSS_SPEC)
+    assert (base.num_experts, base.hidden, base.intermediate) == (2, 4, 3)
+    wg, wu, wd, bg, bu, bd = base.expert(1)
+    assert torch.equal(wg, gate_up[1][:, 0::2].T) and torch.equal(wu, gate_up[1][:, 1::2].T)
+    assert torch.equal(wd, down[1].T) and torch.equal(bg, bias[1, 0::2]) and torch.equal(bu, bias[1, 1::2])
+    assert all(t.data_ptr() >= gate_up.data_ptr() for t in (wg, wu)) and wg.untyped_storage().data_ptr() == (
+        gate_up.untyped_storage().data_ptr()
+    )
+
+
+def test_kt_kernel_refuses_gpt_oss_experts_and_auto_picks_torch():
+    """kt-kernel's kernel has no clamped / biased / transposed experts: it says so, whatever the CPU,
+    `auto` passes it over naming why, and asking for it by name is an error with that reason."""
+    from kt_ft.errors import KTConfigError
+    from kt_ft.kernels import select_backend
+
+    reason = BACKENDS["kt-kernel"].unavailable_reason(torch.bfloat16, GPT_OSS_SPEC)
+    assert reason is not None and "gpt_oss_clamped" in reason and "kt_backend torch" in reason
+    backend, why = select_backend("auto", torch.bfloat16, GPT_OSS_SPEC)
+    assert backend.name == "torch" and f"skipped kt-kernel: {reason}" in why
+    with pytest.raises(KTConfigError, match="kt_backend='kt-kernel' cannot run for these experts: kt-kernel"):
+        select_backend("kt-kernel", torch.bfloat16, GPT_OSS_SPEC)
+    assert select_backend("reference", torch.float32, GPT_OSS_SPEC)[0].name == "reference"

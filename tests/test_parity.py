@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 from tiny_models import tiny_model
 from torch import nn
 
-from kt_ft.kernels import LORA_NAMES, ExpertWeights, LoraTensors, reference_moe
+from kt_ft.kernels import LORA_NAMES, ExpertSpec, ExpertWeights, LoraTensors, reference_moe
 from kt_ft.models import FAMILIES
 from kt_ft.moe.experts import KTExperts
 from kt_ft.moe.patch import replace_routed_experts
@@ -26,18 +26,21 @@ ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 class PlainLoRAExperts(nn.Module):
-    """The reference: HF's frozen fused experts + expert LoRA, computed by a plain loop under autograd."""
+    """The reference: HF's frozen fused experts + expert LoRA, computed by a plain loop under autograd.
+    ``spec``: the family's layout (gpt_oss: transposed, interleaved, with HF's biases)."""
 
-    def __init__(self, hf, lora: dict[str, torch.Tensor], scaling: float):
+    def __init__(self, hf, lora: dict[str, torch.Tensor], scaling: float, spec=None):
         super().__init__()
         self.gate_up_proj, self.down_proj = hf.gate_up_proj, hf.down_proj
+        self.biases = (getattr(hf, "gate_up_proj_bias", None), getattr(hf, "down_proj_bias", None))
+        self.spec = spec or ExpertSpec()
         for n in LORA_NAMES:
             setattr(self, n, nn.Parameter(lora[n].clone()))
         self.scaling = scaling
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         lora = LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
-        base = ExpertWeights(self.gate_up_proj, self.down_proj)
+        base = ExpertWeights(self.gate_up_proj, self.down_proj, *self.biases, spec=self.spec)
         return reference_moe(hidden_states, top_k_index, top_k_weights, base, lora, self.scaling).to(
             hidden_states.dtype
         )
@@ -82,7 +85,7 @@ def build_pair(
         parent_name, _, child = name.rpartition(".")
         parent = ref_model.get_submodule(parent_name)
         lora = {n: getattr(m, n).detach() for n in LORA_NAMES}
-        setattr(parent, child, PlainLoRAExperts(getattr(parent, child), lora, alpha / rank))
+        setattr(parent, child, PlainLoRAExperts(getattr(parent, child), lora, alpha / rank, m.spec))
     return peft_model, ref_model
 
 

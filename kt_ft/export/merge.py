@@ -5,7 +5,12 @@ alpha / sqrt(r) with rsLoRA), computed in fp32 and cast back to W's dtype. The b
 safetensors shards are streamed one at a time (one shard plus the adapter in RAM) and written
 under the same names, so its index file stays valid; config, tokenizer and other files are
 copied. Experts may be stored per expert (``{T}.{e}.gate_proj.weight`` [I, H], as hub
-checkpoints are) or fused (``{T}.gate_up_proj`` [E, 2I, H], ``{T}.down_proj`` [E, H, I]).
+checkpoints are) or fused (``{T}.gate_up_proj`` [E, 2I, H], ``{T}.down_proj`` [E, H, I]); for
+gpt_oss (the base's config.json says the family) fused in its own layout: ``{T}.gate_up_proj``
+[E, H, 2I] with gate/up interleaved (columns 0::2 gate, 1::2 up) and ``{T}.down_proj``
+[E, I, H], so the deltas are transposed and interleaved to match; its biases have no LoRA and
+are copied. An MXFP4-quantized gpt_oss base (``gate_up_proj_blocks`` / ``_scales``, as the hub
+checkpoints ship) is refused: merge folds into bf16/fp32 weights.
 """
 
 from __future__ import annotations
@@ -46,8 +51,22 @@ def _peft_deltas(adapter: KTAdapter) -> dict[str, Delta]:
     return out
 
 
-def _expert_deltas(adapter: KTAdapter, names: set[str]) -> dict[str, Delta]:
-    """Base key -> delta for every expert, per-expert or fused, whichever the base stores."""
+def _gpt_oss_deltas(lora: dict, s: float) -> tuple[Delta, Delta]:
+    """(gate_up [E, H, 2I] interleaved, down [E, I, H]) deltas in gpt_oss's layout."""
+
+    def delta(p: str) -> torch.Tensor:  # s * B @ A transposed to the x @ W layout: [E, in, out]
+        return s * torch.bmm(lora[p][1].float(), lora[p][0].float()).transpose(1, 2)
+
+    def gate_up() -> torch.Tensor:
+        g, u = delta("gate"), delta("up")  # [E, H, I] each
+        return torch.stack([g, u], dim=-1).flatten(-2)  # columns g0, u0, g1, u1, ...
+
+    return gate_up, lambda: delta("down").contiguous()
+
+
+def _expert_deltas(adapter: KTAdapter, names: set[str], layout: str = "fused_silu") -> dict[str, Delta]:
+    """Base key -> delta for every expert, per-expert or fused, whichever the base stores;
+    ``layout``: the family's expert layout (``MoEFamily.expert_layout``) for fused keys."""
     s = adapter.scaling
     out = {}
     for layer, target in adapter.targets.items():
@@ -56,6 +75,16 @@ def _expert_deltas(adapter: KTAdapter, names: set[str]) -> dict[str, Delta]:
         def fused(*projs, lora=lora):
             return s * torch.cat([torch.bmm(lora[p][1].float(), lora[p][0].float()) for p in projs], dim=1)
 
+        if f"{target}.gate_up_proj_blocks" in names:
+            raise KTConfigError(
+                f"{adapter.path}: the base model stores {target} MXFP4-quantized (gate_up_proj_blocks / _scales, "
+                "as the gpt-oss hub checkpoints do; training saw them dequantized to bf16); merge folds the LoRA "
+                "into bf16/fp32 weights only: train from a bf16 copy of the model to merge, or use `kt-ft convert` "
+                "and apply the adapter at inference"
+            )
+        if layout == "gpt_oss" and f"{target}.gate_up_proj" in names:
+            out[f"{target}.gate_up_proj"], out[f"{target}.down_proj"] = _gpt_oss_deltas(lora, s)
+            continue
         if f"{target}.gate_up_proj" in names:
             out[f"{target}.gate_up_proj"] = lambda f=fused: f("gate", "up")  # [E, 2I, H], gate rows first
             out[f"{target}.down_proj"] = lambda f=fused: f("down")  # [E, H, I]
@@ -65,6 +94,15 @@ def _expert_deltas(adapter: KTAdapter, names: set[str]) -> dict[str, Delta]:
             for e in range(a.shape[0]):
                 out[f"{target}.{e}.{module}.weight"] = lambda a=a[e], b=b[e]: s * (b.float() @ a.float())
     return out
+
+
+def _expert_layout(config: Path) -> str:
+    """The expert layout of the base's family (config.json's model_type), default fused_silu."""
+    from ..models import FAMILIES
+
+    model_type = json.loads(config.read_text()).get("model_type")
+    family = next((f for f in FAMILIES.values() if model_type in f.model_types), None)
+    return family.expert_layout if family is not None else "fused_silu"
 
 
 def _shards(base: Path) -> list[str]:
@@ -98,7 +136,7 @@ def merge_adapter(
     for shard in shards:
         with safe_open(str(base / shard), "pt") as f:
             names.update(f.keys())
-    deltas = {**_peft_deltas(adapter), **_expert_deltas(adapter, names)}
+    deltas = {**_peft_deltas(adapter), **_expert_deltas(adapter, names, _expert_layout(config))}
     missing = sorted(set(deltas) - names)
     if missing:
         raise KTConfigError(f"{base}: the adapter has LoRA for weights the base model lacks: {missing[:5]}")

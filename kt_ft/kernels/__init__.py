@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import KTConfigError
-from .base import LORA_NAMES, ExpertBackend, ExpertWeights, LoraTensors
+from .base import LORA_NAMES, ExpertBackend, ExpertSpec, ExpertWeights, LoraTensors
 from .grouped import GroupedTorchBackend
 from .kt_kernel_backend import KTKernelBackend
 from .reference import ReferenceBackend, reference_moe
@@ -22,22 +22,31 @@ BACKENDS: dict[str, type[ExpertBackend]] = {
 AUTO_ORDER = ("kt-kernel", "torch")
 
 
-def select_backend(name: str, dtype: torch.dtype | None = None) -> tuple[ExpertBackend, str]:
+def select_backend(
+    name: str, dtype: torch.dtype | None = None, spec: ExpertSpec | None = None
+) -> tuple[ExpertBackend, str]:
     """Return (backend instance, why it was chosen). ``name`` is a key of BACKENDS or ``auto``;
-    ``dtype`` is the expert weights' dtype (some backends run bf16 only)."""
+    ``dtype`` is the expert weights' dtype (some backends run bf16 only); ``spec`` the experts'
+    layout and activation (None: the default silu layout; some backends compute only that)."""
+    special = spec is not None and not spec.is_default
     if name == "auto":
         skipped = []
         for candidate in AUTO_ORDER:
-            reason = BACKENDS[candidate].unavailable_reason(dtype)
+            reason = BACKENDS[candidate].unavailable_reason(dtype, spec)
             if reason is None:
-                return BACKENDS[candidate](), f"auto: {candidate} is the fastest backend that runs here"
+                why = f"auto: {candidate} is the fastest backend that runs here"
+                # for experts only some backends compute, say why the faster ones were passed over
+                return BACKENDS[candidate](), why + (
+                    f"; skipped {'; '.join(skipped)}" if special and skipped else ""
+                )
             skipped.append(f"{candidate}: {reason}")
         raise KTConfigError("kt_backend=auto found no usable backend: " + "; ".join(skipped))
     if name not in BACKENDS:
         raise KTConfigError(f"kt_backend={name!r} is unknown; valid choices: auto, {', '.join(BACKENDS)}")
-    reason = BACKENDS[name].unavailable_reason(dtype)
+    reason = BACKENDS[name].unavailable_reason(dtype, spec)
     if reason is not None:
-        raise KTConfigError(f"kt_backend={name!r} cannot run on this machine: {reason}")
+        where = "for these experts" if special else "on this machine"
+        raise KTConfigError(f"kt_backend={name!r} cannot run {where}: {reason}")
     return BACKENDS[name](), "asked for by name"
 
 
@@ -45,6 +54,7 @@ __all__ = [
     "BACKENDS",
     "LORA_NAMES",
     "ExpertBackend",
+    "ExpertSpec",
     "ExpertWeights",
     "LoraTensors",
     "reference_moe",

@@ -11,6 +11,12 @@ Shapes (E experts, H hidden, I expert intermediate, r LoRA rank, T tokens, k exp
 For expert e and its tokens x, with s = lora_alpha / r:
 g = x Wg^T + s (x Ag^T) Bg^T, u = x Wu^T + s (x Au^T) Bu^T, h = silu(g) * u,
 d = h Wd^T + s (h Ad^T) Bd^T, out_t = sum_k w_tk d_tk.
+
+Families whose experts differ (gpt_oss) say how in an ``ExpertSpec`` carried by their
+``ExpertWeights``: transposed weights (``gate_up`` [E, H, 2I], ``down`` [E, I, H], computed as
+x W), gate/up interleaved (gate columns 0::2, up 1::2), frozen biases (``gate_up_bias`` [E, 2I]
+in the same column order, ``down_bias`` [E, H]), and the activation (``kernels/activation.py``).
+The LoRA tensors keep the per-projection shapes above whatever the base layout.
 """
 
 from __future__ import annotations
@@ -40,12 +46,62 @@ class LoraTensors(NamedTuple):
     down_b: torch.Tensor
 
 
+ACTIVATIONS = ("silu", "gpt_oss_clamped")
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """How one family stores and activates its routed experts (the default: transformers v5's
+    silu-gated fused layout, ``gate_up`` [E, 2I, H] rows :I gate / I: up, no biases).
+
+    ``activation``: ``silu`` (h = silu(g) * u) or ``gpt_oss_clamped`` (g clamped to <= limit,
+    u to [-limit, limit], h = (u + 1) * g * sigmoid(alpha * g)); ``transposed``: ``gate_up``
+    [E, H, 2I] and ``down`` [E, I, H], used as x @ W; ``interleaved``: gate/up alternate along
+    the 2I axis (gate 0::2, up 1::2) instead of halves.
+    """
+
+    activation: str = "silu"
+    transposed: bool = False
+    interleaved: bool = False
+    alpha: float = 1.702  # gpt_oss_clamped only
+    limit: float = 7.0  # gpt_oss_clamped only
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ExpertSpec.activation={self.activation!r}; valid: {', '.join(ACTIVATIONS)}")
+
+    @property
+    def is_default(self) -> bool:
+        return self == DEFAULT_SPEC
+
+    def gate_up_cols(self, inter: int) -> tuple[slice, slice]:
+        """(gate, up) slices of the 2I axis of gate_up (and of its bias)."""
+        if self.interleaved:
+            return slice(0, 2 * inter, 2), slice(1, 2 * inter, 2)
+        return slice(0, inter), slice(inter, 2 * inter)
+
+    def describe(self) -> str:
+        if self.is_default:
+            return "silu(gate) * up"
+        return (
+            f"{self.activation} (alpha {self.alpha:g}, limit {self.limit:g}), "
+            f"{'transposed' if self.transposed else 'row-major'}, "
+            f"gate/up {'interleaved' if self.interleaved else 'halves'}"
+        )
+
+
+DEFAULT_SPEC = ExpertSpec()
+
+
 @dataclass
 class ExpertWeights:
-    """Frozen base weights of one MoE layer's routed experts, in CPU memory."""
+    """Frozen base weights of one MoE layer's routed experts, in CPU memory (HF's tensors, no copy)."""
 
-    gate_up: torch.Tensor  # [E, 2I, H]
-    down: torch.Tensor  # [E, H, I]
+    gate_up: torch.Tensor  # [E, 2I, H]; [E, H, 2I] when spec.transposed
+    down: torch.Tensor  # [E, H, I]; [E, I, H] when spec.transposed
+    gate_up_bias: torch.Tensor | None = None  # [E, 2I], columns as gate_up's 2I axis
+    down_bias: torch.Tensor | None = None  # [E, H]
+    spec: ExpertSpec = DEFAULT_SPEC
 
     @property
     def num_experts(self) -> int:
@@ -53,11 +109,34 @@ class ExpertWeights:
 
     @property
     def intermediate(self) -> int:
-        return self.down.shape[2]
+        return self.down.shape[1] if self.spec.transposed else self.down.shape[2]
 
     @property
     def hidden(self) -> int:
-        return self.down.shape[1]
+        return self.down.shape[2] if self.spec.transposed else self.down.shape[1]
+
+    @property
+    def is_plain(self) -> bool:
+        """The default layout with no biases: what every backend computes."""
+        return self.spec.is_default and self.gate_up_bias is None and self.down_bias is None
+
+    def expert(self, e: int) -> tuple[torch.Tensor, ...]:
+        """Views (no copy) of expert e as per-projection weights: (Wg [I, H], Wu [I, H], Wd [H, I],
+        bg [I] | None, bu [I] | None, bd [H] | None)."""
+        gs, us = self.spec.gate_up_cols(self.intermediate)
+        if self.spec.transposed:
+            gu, wd = self.gate_up[e].t(), self.down[e].t()  # [2I, H], [H, I]
+        else:
+            gu, wd = self.gate_up[e], self.down[e]
+        b = self.gate_up_bias
+        return (
+            gu[gs],
+            gu[us],
+            wd,
+            None if b is None else b[e, gs],
+            None if b is None else b[e, us],
+            None if self.down_bias is None else self.down_bias[e],
+        )
 
 
 class ExpertBackend(ABC):
@@ -72,8 +151,11 @@ class ExpertBackend(ABC):
     name: ClassVar[str]
 
     @classmethod
-    def unavailable_reason(cls, dtype: torch.dtype | None = None) -> str | None:
-        """None when this backend can run here (for expert weights of ``dtype``), else why not."""
+    def unavailable_reason(
+        cls, dtype: torch.dtype | None = None, spec: ExpertSpec | None = None
+    ) -> str | None:
+        """None when this backend can run here (for expert weights of ``dtype`` and layout/activation
+        ``spec``, None: the default), else why not."""
         return None
 
     def prepare(self, weights: ExpertWeights, threads: int | None = None, max_tokens: int = 4096) -> None:  # noqa: B027

@@ -16,6 +16,9 @@ Layout choices (measured on a 16-core Sapphire-Rapids-class Xeon, see README "Pe
   product (bf16 inputs, fp32 accumulation) instead of a scatter-add;
 * the routing-weight gradient comes from products the input gradient needs anyway:
   dY.d = (dY Wd).h + s (dY Bd).(h Ad^T), so the expert outputs are not kept.
+
+Experts that are not the plain silu layout (gpt_oss: transposed, interleaved, biased, clamped
+activation) go to ``grouped_variant.py``.
 """
 
 from __future__ import annotations
@@ -150,6 +153,10 @@ class GroupedTorchBackend(ExpertBackend):
         return saved
 
     def forward(self, x, ids, weights, base: ExpertWeights, lora: LoraTensors, scaling, needs_grad):
+        if not base.is_plain:  # transposed / interleaved / biased / clamped experts (gpt_oss)
+            from .grouped_variant import variant_forward
+
+            return variant_forward(x, ids, weights, base, lora, scaling, needs_grad)
         dt = base.gate_up.dtype
         num_experts, two_i, hidden = base.gate_up.shape
         inter = two_i // 2
@@ -207,6 +214,10 @@ class GroupedTorchBackend(ExpertBackend):
         )
 
     def backward(self, ctx: _Ctx, grad_out: torch.Tensor):
+        if not isinstance(ctx, _Ctx):  # a grouped_variant context
+            from .grouped_variant import variant_backward
+
+            return variant_backward(ctx, grad_out)
         if ctx.saved.generation != ctx.generation:
             raise RuntimeError(
                 "kt-ft torch backend: this forward's saved state was reused by a later forward of the "

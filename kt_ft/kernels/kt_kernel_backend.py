@@ -64,12 +64,19 @@ class KTKernelBackend(ExpertBackend):
         self._base: ExpertWeights | None = None
 
     @classmethod
-    def unavailable_reason(cls, dtype: torch.dtype | None = None) -> str | None:
+    def unavailable_reason(cls, dtype: torch.dtype | None = None, spec=None) -> str | None:
+        if spec is not None and not spec.is_default:
+            return (
+                f"kt-kernel's AMXBF16_SFT kernel computes silu(gate) * up on [E, 2I, H] weights only, "
+                f"these experts are {spec.describe()}: use kt_backend torch"
+            )
         if dtype is not None and dtype != BF16:
             return f"it needs bf16 expert weights, the model's are {dtype} (bf16: true in the recipe)"
         return kt_kernel_unavailable_reason()
 
     def prepare(self, base: ExpertWeights, threads: int | None = None, max_tokens: int = 4096) -> None:
+        if not base.is_plain:
+            raise KTConfigError(f"kt_backend='kt-kernel': {self.unavailable_reason(None, base.spec)}")
         if base.gate_up.dtype != BF16:
             raise KTConfigError(
                 f"kt_backend='kt-kernel' needs bf16 expert weights, the model's are {base.gate_up.dtype} "

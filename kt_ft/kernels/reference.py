@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from .activation import gated_act
 from .base import ExpertBackend, ExpertWeights, LoraTensors, accum_dtype
 
 
@@ -25,23 +25,26 @@ def reference_moe(
     """Routed-expert output [T, H] in float32, differentiable w.r.t. x, weights and lora.
 
     Everything is computed in x's dtype; per-expert outputs are accumulated in float32
-    (float64 for float64 inputs).
+    (float64 for float64 inputs). ``base.spec`` says the layout, biases and activation
+    (default: silu(g) * u, no biases).
     """
-    num_experts, two_i, _ = base.gate_up.shape
-    inter = two_i // 2
     out = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(x.dtype), device=x.device)
     dt = x.dtype
-    for e in range(num_experts):
+    for e in range(base.num_experts):
         tok, slot = torch.where(ids == e)
         if tok.numel() == 0:
             continue
         xe = x[tok]
-        wg, wu = base.gate_up[e, :inter].to(dt), base.gate_up[e, inter:].to(dt)
-        wd = base.down[e].to(dt)
+        # per-projection views of expert e whatever the family's layout (base.expert), biases or None
+        wg, wu, wd, bg, bu, bd = (None if t is None else t.to(dt) for t in base.expert(e))
         g = xe @ wg.T + scaling * (xe @ lora.gate_a[e].to(dt).T) @ lora.gate_b[e].to(dt).T
         u = xe @ wu.T + scaling * (xe @ lora.up_a[e].to(dt).T) @ lora.up_b[e].to(dt).T
-        h = F.silu(g) * u
+        if bg is not None:
+            g, u = g + bg, u + bu
+        h = gated_act(g, u, base.spec)
         d = h @ wd.T + scaling * (h @ lora.down_a[e].to(dt).T) @ lora.down_b[e].to(dt).T
+        if bd is not None:
+            d = d + bd
         out = out.index_add(0, tok, d.to(out.dtype) * weights[tok, slot].to(out.dtype)[:, None])
     return out
 

@@ -7,7 +7,9 @@
   placement on a meta skeleton, raising rule errors early, and with CUDA swaps LLaMA-Factory's
   ``device_map={"": cuda:N}`` for the plan's (routed experts -> "cpu"); ``init_adapter`` runs
   LLaMA-Factory's normal LoRA path, then kt-ft replaces the routed experts and adds their LoRA
-  before the parameter count is printed.
+  before the parameter count is printed. For gpt-oss, ``patch_config`` also steps around
+  LLaMA-Factory 0.9.5's FlashAttention-3 hub-kernel setup, which imports a function transformers
+  5.6 does not have (see ``gpt_oss_attention``).
 
 With ``use_kt`` false or absent every patched function calls the original unchanged.
 """
@@ -16,12 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 from ..errors import KTConfigError
 from ..hparams import KTArguments, recipe_source
+from ..log import get_logger
+
+logger = get_logger(__name__)
 
 
 @contextlib.contextmanager
@@ -93,6 +99,46 @@ def patch_parser_module(parser: ModuleType) -> None:
     parser._kt_ft_patched = True
 
 
+def _hub_kernel_loader_missing() -> bool:
+    try:
+        from transformers.integrations.hub_kernels import load_and_register_kernel  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def gpt_oss_attention(patcher: ModuleType, config: Any) -> Iterator[None]:
+    """For a gpt-oss config, while LLaMA-Factory's ``patch_config`` runs: where transformers lacks
+    ``load_and_register_kernel`` (5.6 does), LLaMA-Factory 0.9.5's gpt-oss branch of
+    ``configure_attn_implementation`` (FlashAttention-3 with sinks, a hub kernel) raises ImportError
+    before any weight is read; use eager attention instead, which computes gpt-oss's attention sinks
+    (transformers' sdpa does not support gpt-oss). Every other model: no change."""
+    original = getattr(patcher, "configure_attn_implementation", None)
+    if (
+        getattr(config, "model_type", None) != "gpt_oss"
+        or original is None
+        or not _hub_kernel_loader_missing()
+    ):
+        yield
+        return
+
+    def configure_attn_implementation(config, model_args):
+        logger.warning(
+            "gpt-oss: LLaMA-Factory's FlashAttention-3 hub kernel needs transformers' load_and_register_kernel, "
+            "which this transformers does not have; using eager attention (it computes the attention sinks; "
+            "its memory grows with cutoff_len squared)"
+        )
+        model_args.flash_attn = "disabled"
+        config._attn_implementation = "eager"
+
+    patcher.configure_attn_implementation = configure_attn_implementation
+    try:
+        yield
+    finally:
+        patcher.configure_attn_implementation = original
+
+
 def patch_loader_module(loader: ModuleType) -> None:
     if getattr(loader, "_kt_ft_patched", False):
         return
@@ -112,11 +158,13 @@ def patch_loader_module(loader: ModuleType) -> None:
     original_patch_config = loader.patch_config
 
     def patch_config(config, tokenizer, model_args, init_kwargs, is_trainable):
-        original_patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
-        if getattr(model_args, "use_kt", False):
-            from .model import plan_loading
+        if not getattr(model_args, "use_kt", False):
+            return original_patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
+        with gpt_oss_attention(sys.modules[original_patch_config.__module__], config):
+            original_patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
+        from .model import plan_loading
 
-            plan_loading(config, model_args, init_kwargs)
+        plan_loading(config, model_args, init_kwargs)
 
     loader.init_adapter = init_adapter
     loader.patch_config = patch_config

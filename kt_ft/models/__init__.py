@@ -1,9 +1,10 @@
 """Per-family facts: which modules are the routed experts, and the tiny demo config.
 
 transformers v5 stores routed experts fused (``gate_up_proj`` [E, 2I, H], ``down_proj``
-[E, H, I]) and calls them as ``experts(hidden_states, top_k_index, top_k_weights)``; the
-router, shared experts and dense layers are other modules that stay on the GPU path.
-The families themselves are listed in ``families.py``.
+[E, H, I]; gpt_oss transposed, interleaved and with biases) and calls them as
+``experts(hidden_states, top_k_index, top_k_weights)``; the router, shared experts and dense
+layers are other modules that stay on the GPU path. The families themselves are listed in
+``families.py``; ``expert_spec`` turns a family's expert layout into the kernels' ExpertSpec.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = [
     "UNSUPPORTED",
     "MoEFamily",
     "check_routed_experts",
+    "expert_spec",
     "family_of",
     "find_routed_experts",
     "layer_index",
@@ -41,7 +43,7 @@ def family_of(config) -> MoEFamily:
     # composite (vision-language) configs keep the language model's keys in text_config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     act = getattr(text, "hidden_act", family.activation)
-    if act != family.activation:
+    if family.activation is not None and act != family.activation:
         raise KTConfigError(
             f"hidden_act={act!r} in the {model_type} config: kt-ft's CPU expert op computes "
             f"{family.activation}(gate) * up only; valid: {family.activation!r}"
@@ -57,12 +59,39 @@ def layer_index(module_name: str) -> int:
     return int(m.group(1))
 
 
-def check_routed_experts(name: str, module: Any) -> None:
-    """Refuse an experts module that is not the layout the CPU op computes, naming what differs.
+def expert_spec(family: MoEFamily, module: Any):
+    """The kernels' ExpertSpec for ``module``, a routed-experts module of ``family`` (layout-checked
+    by ``check_routed_experts``); gpt_oss's alpha and limit are read from the module."""
+    from ..kernels.base import DEFAULT_SPEC, ExpertSpec
 
-    Expected: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], no bias tensors, a silu
+    if family.expert_layout == "gpt_oss":
+        return ExpertSpec(
+            "gpt_oss_clamped",
+            transposed=True,
+            interleaved=True,
+            alpha=float(module.alpha),
+            limit=float(module.limit),
+        )
+    return DEFAULT_SPEC
+
+
+def check_routed_experts(name: str, module: Any, family: MoEFamily | None = None) -> None:
+    """Refuse an experts module that is not the layout the CPU op computes for ``family`` (None: the
+    default ``fused_silu`` layout), naming what differs.
+
+    ``fused_silu``: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], no bias tensors, a silu
     ``act_fn`` and transformers' default gate (silu(gate) * up on the halves :I / I:).
+    ``gpt_oss``: see ``_gpt_oss_problems``.
     """
+    if family is not None and family.expert_layout == "gpt_oss":
+        problems = _gpt_oss_problems(module)
+    else:
+        problems = _fused_silu_problems(module)
+    if problems:
+        raise KTConfigError([f"routed experts {name} ({type(module).__name__}): {p}" for p in problems])
+
+
+def _fused_silu_problems(module: Any) -> list[str]:
     from torch import nn
 
     problems = []
@@ -89,8 +118,61 @@ def check_routed_experts(name: str, module: Any) -> None:
     gate_fn = getattr(type(module), "_apply_gate", _default_apply_gate)
     if _default_apply_gate is not None and gate_fn is not _default_apply_gate:
         problems.append(f"overrides _apply_gate ({gate_fn.__qualname__}): not silu(gate) * up")
-    if problems:
-        raise KTConfigError([f"routed experts {name} ({type(module).__name__}): {p}" for p in problems])
+    return problems
+
+
+def _gpt_oss_problems(module: Any) -> list[str]:
+    """transformers 5.6's GptOssExperts: gate_up_proj [E, H, 2I] + gate_up_proj_bias [E, 2I],
+    down_proj [E, I, H] + down_proj_bias [E, H], used as x @ W + b (``is_transposed``,
+    ``has_bias``), and an ``_apply_gate`` that computes kt-ft's clamped swish on interleaved
+    gate/up columns: checked by running it on probe values on both sides of the limits."""
+    import torch
+
+    from ..kernels.activation import gated_act
+
+    params = {
+        n: getattr(module, n, None)
+        for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    }
+    missing = [n for n, t in params.items() if t is None]
+    if missing:
+        return [f"missing {missing}; expected gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], "
+                "down_proj [E, I, H], down_proj_bias [E, H]"]  # fmt: skip
+    e, h, two_i = params["gate_up_proj"].shape if params["gate_up_proj"].dim() == 3 else (0, 0, 0)
+    expected = {"gate_up_proj": (e, h, two_i), "gate_up_proj_bias": (e, two_i),
+                "down_proj": (e, two_i // 2, h), "down_proj_bias": (e, h)}  # fmt: skip
+    problems = [
+        f"{n} {tuple(params[n].shape)} is not {expected[n]} ([E, H, 2I], [E, 2I], [E, I, H], [E, H])"
+        for n in params
+        if tuple(params[n].shape) != expected[n] or two_i == 0 or two_i % 2
+    ]
+    if not getattr(module, "is_transposed", False) or not getattr(module, "has_bias", False):
+        problems.append(
+            f"is_transposed={getattr(module, 'is_transposed', None)}, has_bias={getattr(module, 'has_bias', None)}: "
+            "expected True, True (x @ W + b)"
+        )
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if not isinstance(alpha, (int, float)) or not isinstance(limit, (int, float)) or limit <= 0:
+        return [*problems, f"alpha={alpha!r}, limit={limit!r}: expected positive numbers"]
+    spec = expert_spec(FAMILIES["gpt_oss"], module)
+    # probe values from -3 limit to 3 limit on the interleaved (gate, up) columns
+    z = torch.linspace(-3 * limit, 3 * limit, 64, dtype=torch.float64).view(4, 16)
+    z = torch.cat([z, z.flip(1)], dim=0)
+    try:
+        got = module._apply_gate(z)
+    except Exception as err:  # noqa: BLE001 - any failure means it is not the activation we compute
+        return [*problems, f"_apply_gate failed on a probe tensor ({type(err).__name__}: {err})"]
+    want = gated_act(z[..., ::2], z[..., 1::2], spec)
+    if (
+        not isinstance(got, torch.Tensor)
+        or got.shape != want.shape
+        or not torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    ):
+        problems.append(
+            f"_apply_gate ({type(module).__name__}) does not compute kt-ft's clamped swish on interleaved "
+            f"gate/up columns ((clamp(up, -{limit:g}, {limit:g}) + 1) * g * sigmoid({alpha:g} g), g = min(gate, {limit:g}))"
+        )
+    return problems
 
 
 def find_routed_experts(model, family: MoEFamily) -> list[tuple[str, Any]]:
@@ -101,5 +183,5 @@ def find_routed_experts(model, family: MoEFamily) -> list[tuple[str, Any]]:
     """
     found = [(n, m) for n, m in model.named_modules() if type(m).__name__ == family.experts_class]
     for name, module in found:
-        check_routed_experts(name, module)
+        check_routed_experts(name, module, family)
     return found

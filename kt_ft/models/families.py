@@ -1,12 +1,23 @@
 """The MoE families kt-ft supports, and the ones it refuses (with the reason).
 
 Every supported family was checked against transformers 5.6's modeling file: its routed
-experts are one fused module with ``gate_up_proj`` [E, 2I, H] (rows :I gate, I: up) and
-``down_proj`` [E, H, I], no biases, ``act_fn = silu``, called as ``experts(hidden_states [T, H],
-top_k_index [T, k], top_k_weights [T, k])`` with the routing weights already final (softmax /
-sigmoid, top-k renormalisation, group-limited selection and ``routed_scaling_factor`` all
-happen in HF's router code, which kt-ft leaves untouched). Shared experts, their sigmoid gate
-and dense MLP layers are ordinary ``nn.Linear`` modules on the GPU path (PEFT LoRA).
+experts are one fused module called as ``experts(hidden_states [T, H], top_k_index [T, k],
+top_k_weights [T, k])`` with the routing weights already final (softmax / sigmoid, top-k
+renormalisation, group-limited selection and ``routed_scaling_factor`` all happen in HF's
+router code, which kt-ft leaves untouched). Shared experts, their sigmoid gate and dense MLP
+layers are ordinary ``nn.Linear`` modules on the GPU path (PEFT LoRA).
+
+Expert layouts (``MoEFamily.expert_layout``):
+
+* ``fused_silu`` (all but gpt_oss): ``gate_up_proj`` [E, 2I, H] (rows :I gate, I: up),
+  ``down_proj`` [E, H, I], no biases, ``act_fn = silu``: h = silu(g) * u;
+* ``gpt_oss`` (``GptOssExperts``): ``gate_up_proj`` [E, H, 2I] with gate/up interleaved (columns
+  0::2 gate, 1::2 up), ``gate_up_proj_bias`` [E, 2I] (same column order), ``down_proj``
+  [E, I, H], ``down_proj_bias`` [E, H], computed as x @ W + b; ``_apply_gate`` is a clamped
+  swish, h = (clamp(u, -limit, limit) + 1) * gc * sigmoid(alpha * gc), gc = min(g, limit), with
+  alpha = 1.702 and limit = 7 read from the module (the config's ``hidden_act`` and
+  ``swiglu_limit`` are not read by transformers' experts). Its router (``GptOssTopKRouter``,
+  a linear layer with bias) passes the top-k logits' softmax, [T, k].
 
 Per family, ``demo_config`` is a tiny random model (hidden 64, 8 experts top-2, a small
 vocab set by the caller) that keeps the family's structure: dense layers where the family
@@ -23,7 +34,9 @@ from typing import Any
 class MoEFamily:
     model_type: str  # transformers config.model_type of the real checkpoints
     experts_class: str  # class name of the fused routed-experts module
-    activation: str  # config.hidden_act the CPU op implements (silu-gated GLU)
+    # config.hidden_act the CPU op implements (silu-gated GLU); None: the family's experts do not
+    # read hidden_act (gpt_oss hard-codes its activation, checked on the module instead)
+    activation: str | None
     builtin_rule: str  # optimize rule used when the recipe names none
     template: str  # LLaMA-Factory chat template for the real (instruct) models
     recipe: str  # recipes/<recipe> for a real model of the family
@@ -33,6 +46,8 @@ class MoEFamily:
     # model_type the tiny demo/test model is built with (default: model_type); a text-only
     # type where the real checkpoint is a vision-language composite
     demo_model_type: str | None = None
+    # how the routed experts store their weights and which activation they compute (module doc)
+    expert_layout: str = "fused_silu"
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -230,14 +245,36 @@ FAMILIES: dict[str, MoEFamily] = {
             num_experts_per_tok=2,
         ),
     ),
+    "gpt_oss": MoEFamily(
+        model_type="gpt_oss",
+        experts_class="GptOssExperts",
+        activation=None,
+        builtin_rule="gpt_oss",
+        template="gpt_oss",
+        recipe="gpt_oss_20b.yaml",
+        expert_layout="gpt_oss",
+        demo_config=dict(
+            _ATTN,
+            intermediate_size=32,  # the experts' I (gpt_oss has no dense MLP layers)
+            num_hidden_layers=2,
+            layer_types=["sliding_attention", "full_attention"],  # alternating, as in gpt-oss
+            sliding_window=8,  # shorter than the demo's sequences, so the window matters
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            attention_bias=True,
+            # YaRN as in gpt-oss, with factor = max_position_embeddings / original (512 / 64)
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=8.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
 }
 
 # Families whose routed experts kt-ft's CPU op does not compute (yet), and why.
-UNSUPPORTED: dict[str, str] = {
-    "gpt_oss": (
-        "GptOssExperts is not the silu-gated layout of kt-ft's CPU op: its weights are transposed "
-        "(gate_up_proj [E, H, 2I], down_proj [E, I, H]) with gate/up interleaved, it has biases "
-        "(gate_up_proj_bias, down_proj_bias), and its activation is a clamped swish "
-        "(gate clamped to <= 7, up to [-7, 7], (up + 1) * gate * sigmoid(1.702 * gate))"
-    ),
-}
+UNSUPPORTED: dict[str, str] = {}

@@ -3,8 +3,10 @@
 HF's router stays where it is and still calls ``experts(hidden_states, top_k_index,
 top_k_weights)``; this module answers that call on the CPU through ``CPUExpertsFunction``.
 It keeps HF's own frozen ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] parameter
-objects (no copy, same state-dict names, counted in LLaMA-Factory's parameter total) and
-adds the six expert-LoRA parameters of the fused layout. Its parameter names carry no
+objects (gpt_oss: [E, H, 2I] / [E, I, H] and the ``gate_up_proj_bias`` / ``down_proj_bias``
+parameters; the ``spec`` says the layout) -- no copy, no reorder, same state-dict names,
+counted in LLaMA-Factory's parameter total -- and adds the six expert-LoRA parameters of the
+fused layout (per-projection shapes whatever the base layout). Its parameter names carry no
 ``lora_`` so PEFT never saves, loads or freezes them: kt-ft owns them.
 
 The module is pinned to the CPU: ``.to(cuda)`` / ``.cuda()`` on the whole model (as the HF
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.base import LORA_NAMES, ExpertBackend, ExpertWeights, LoraTensors
+from ..kernels.base import DEFAULT_SPEC, LORA_NAMES, ExpertBackend, ExpertSpec, ExpertWeights, LoraTensors
 from ..lora.fused import init_expert_lora
 from .function import CPUExpertsFunction, ExpertRunner
 
@@ -41,30 +43,40 @@ class KTExperts(nn.Module):
         threads: int | None,
         lora_dtype: torch.dtype = torch.float32,
         generator: torch.Generator | None = None,
+        spec: ExpertSpec = DEFAULT_SPEC,
     ) -> None:
         super().__init__()
-        gate_up, down = hf_experts.gate_up_proj, hf_experts.down_proj
-        for p in (gate_up, down):
+        names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+        for name in names:  # HF's frozen parameters, kept under their names (biases: gpt_oss only)
+            p = getattr(hf_experts, name, None)
+            if p is None:
+                continue
             p.requires_grad_(False)
             if p.device != CPU:  # only when a model was loaded onto a GPU first
                 p.data = p.data.to(CPU)
-        self.gate_up_proj = gate_up
-        self.down_proj = down
+            setattr(self, name, p)
+        base = ExpertWeights(*(getattr(self, n).data if hasattr(self, n) else None for n in names), spec=spec)
         self.layer_idx = layer_idx
-        self.num_experts, two_i, self.hidden_dim = gate_up.shape
-        self.intermediate_dim = two_i // 2
+        self.num_experts, self.hidden_dim, self.intermediate_dim = (
+            base.num_experts,
+            base.hidden,
+            base.intermediate,
+        )
+        self.spec = spec
         self.rank = rank
         self.scaling = scaling
         for name, t in init_expert_lora(
             self.num_experts, self.hidden_dim, self.intermediate_dim, rank, lora_dtype, generator
         ).items():
             setattr(self, name, nn.Parameter(t))
-        self.runner = ExpertRunner(
-            backend, ExpertWeights(gate_up.data, down.data), scaling, chunk_size, threads
-        )
+        self.runner = ExpertRunner(backend, base, scaling, chunk_size, threads)
 
     def lora_tensors(self) -> LoraTensors:
         return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
+
+    def base_parameters(self) -> list[nn.Parameter]:
+        """HF's frozen routed-expert tensors held here (weights, and biases where the family has them)."""
+        return [p for n, p in self.named_parameters(recurse=False) if n.endswith(("_proj", "_proj_bias"))]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         lora = self.lora_tensors()
@@ -81,5 +93,6 @@ class KTExperts(nn.Module):
         return (
             f"layer={self.layer_idx}, experts={self.num_experts}, hidden={self.hidden_dim}, "
             f"intermediate={self.intermediate_dim}, rank={self.rank}, scaling={self.scaling:g}, "
+            f"{'' if self.spec.is_default else f'experts={self.spec.describe()}, '}"
             f"backend={self.runner.backend.name}, threads={self.runner.threads}, device=cpu"
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import select_backend
+from ..kernels.base import DEFAULT_SPEC
 from ..log import fmt_bytes, get_logger
 from ..rules.plan import PlacementPlan
 from .experts import KTExperts
@@ -53,15 +54,19 @@ def replace_routed_experts(
         parent_name, _, child = place.name.rpartition(".")
         parent = model.get_submodule(parent_name)
         hf = getattr(parent, child)
-        if place.backend not in backends:
-            backends[place.backend] = select_backend(place.backend, hf.gate_up_proj.dtype)
-        proto, reason = backends[place.backend]
+        spec = place.spec or DEFAULT_SPEC
+        key = (place.backend, spec)
+        if key not in backends:
+            backends[key] = select_backend(place.backend, hf.gate_up_proj.dtype, spec)
+        proto, reason = backends[key]
         backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
-        kt = KTExperts(hf, place.layer, rank, scaling, backend, chunk_size, place.threads, generator=gen)
+        kt = KTExperts(
+            hf, place.layer, rank, scaling, backend, chunk_size, place.threads, generator=gen, spec=spec
+        )
         setattr(parent, child, kt)
         num_experts = kt.num_experts
         lora_params += sum(t.numel() for t in kt.lora_tensors())
-        expert_bytes += sum(p.numel() * p.element_size() for p in (kt.gate_up_proj, kt.down_proj))
+        expert_bytes += sum(p.numel() * p.element_size() for p in kt.base_parameters())
     names = ", ".join(sorted({b.name for b, _ in backends.values()}))
     reasons = "; ".join(sorted({r for _, r in backends.values()}))
     threads = plan.experts[0].threads if plan.experts else None

@@ -12,12 +12,13 @@ default) are *refusals*: errors for a run, kept in ``plan.refusals`` for a plann
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..errors import KTConfigError
 from ..log import get_logger
-from ..models import MoEFamily, find_routed_experts, layer_index
+from ..models import MoEFamily, expert_spec, find_routed_experts, layer_index
 from .loader import Rule, RuleSet, missing_devices
 from .schema import GpuExpertSpec
 
@@ -33,6 +34,7 @@ class ExpertPlacement:
     threads: int | None
     rule: Rule | None
     gpu_experts: GpuExpertSpec | None = None  # experts of this layer kept on the GPU (planned only)
+    spec: Any = None  # the kernels' ExpertSpec of the family's layout (None: the default)
 
 
 @dataclass
@@ -140,7 +142,9 @@ def make_plan(
             spec = None
         backend = kt_backend if kt_backend != "auto" else (rule.backend if rule and rule.backend else "auto")
         threads = rule.threads if rule is not None and rule.threads is not None else cpu_infer
-        experts.append(ExpertPlacement(name, layer, device, backend, threads, rule, spec))
+        experts.append(
+            ExpertPlacement(name, layer, device, backend, threads, rule, spec, expert_spec(family, module))
+        )
 
     module_devices = {}
     reported: set[int] = set()

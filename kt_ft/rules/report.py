@@ -121,9 +121,7 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
 
     lora = {"peft_params": 0, "expert_params": 0}
     for e in plan.experts:
-        module = model.get_submodule(e.name)
-        num, two_i, hidden = module.gate_up_proj.shape
-        inter = two_i // 2
+        num, hidden, inter = _expert_dims(model, e)
         on_gpu = 0
         if e.gpu_experts is not None:
             on_gpu = len(e.gpu_experts.ids) if e.gpu_experts.ids is not None else e.gpu_experts.count
@@ -154,7 +152,7 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
     gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + 2 * tokens * V * 4
     cpu_act = 0
     for e in plan.experts:
-        inter = model.get_submodule(e.name).gate_up_proj.shape[1] // 2
+        inter = _expert_dims(model, e)[2]
         cpu_act += tokens * (k * 3 * inter + 2 * H) * 4
     dev(train_dev)["activation_bytes"] += gpu_act
     dev("cpu")["activation_bytes"] += cpu_act
@@ -220,3 +218,13 @@ def format_report(report: dict, model_dir: str) -> str:
     lines += [f"note: {n}" for n in report["notes"]]
     lines += [f"refused at load in this version: {r}" for r in report["refusals"]]
     return "\n".join(lines)
+
+
+def _expert_dims(model, placement) -> tuple[int, int, int]:
+    """(E, H, I) of a placed routed-experts module, in the family's layout (gpt_oss: [E, H, 2I])."""
+    gate_up = model.get_submodule(placement.name).gate_up_proj
+    if placement.spec is not None and placement.spec.transposed:
+        num, hidden, two_i = gate_up.shape
+    else:
+        num, two_i, hidden = gate_up.shape
+    return num, hidden, two_i // 2

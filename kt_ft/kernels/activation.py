@@ -1,0 +1,45 @@
+"""Gated activations of the routed experts, h = act(g, u), and their hand-written derivatives.
+
+``silu``: h = silu(g) * u (every family but gpt_oss).
+``gpt_oss_clamped`` (transformers' ``GptOssExperts._apply_gate``, line by line):
+gc = min(g, limit), uc = clamp(u, -limit, limit), h = (uc + 1) * gc * sigmoid(alpha * gc).
+Its derivative follows torch's clamp: the gradient passes where limit is not exceeded
+(g <= limit, -limit <= u <= limit, bounds included) and is zero beyond.
+
+All functions take g, u [N, I] (any strides, e.g. interleaved column views) in the compute
+dtype and return tensors of that dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import ExpertSpec
+
+
+def gated_act(g: torch.Tensor, u: torch.Tensor, spec: ExpertSpec) -> torch.Tensor:
+    """h [N, I] = act(g, u); differentiable by autograd (the reference backend uses it)."""
+    if spec.activation == "silu":
+        return F.silu(g) * u
+    gc = g.clamp(max=spec.limit)
+    uc = u.clamp(min=-spec.limit, max=spec.limit)
+    return (uc + 1) * (gc * torch.sigmoid(gc * spec.alpha))
+
+
+def gated_act_backward(
+    dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, spec: ExpertSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dg, du) [N, I] for upstream dh [N, I]: the gradients of act(g, u) w.r.t. g and u."""
+    if spec.activation == "silu":
+        return torch.ops.aten.silu_backward(dh * u, g), dh * F.silu(g)
+    a, lim = spec.alpha, spec.limit
+    gc = g.clamp(max=lim)
+    uc = u.clamp(min=-lim, max=lim)
+    sig = torch.sigmoid(gc * a)
+    glu = gc * sig
+    # d glu / d gc = sig + a * gc * sig * (1 - sig); zero where the clamp cut g (g > limit)
+    dg = (dh * (uc + 1) * (sig + a * glu * (1 - sig))).masked_fill_(g > lim, 0)
+    # d h / d uc = glu; zero where the clamp cut u (|u| > limit)
+    du = (dh * glu).masked_fill_(u.abs() > lim, 0)
+    return dg, du
