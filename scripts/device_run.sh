@@ -22,14 +22,14 @@ THREADS=${THREADS:-$(nproc)}
 } 2>&1 | tee "$OUT/env.txt"
 PARTS=${PARTS:-tests,op,step}
 [[ $PARTS == *tests* ]] && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py \
+  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py \
   2>&1 | tee "$OUT/pytest.log"
 [[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --parts op \
   --tokens "${TOKENS:-512,2048,4096}" --threads "$THREADS" --repeat 2 --json "$OUT/bench.json" 2>&1 \
   | tr '\r' '\n' | grep -v "it/s\]$\|case/s\]$" | tee "$OUT/bench.log"
 for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
   [[ $PARTS == *step* ]] && timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "$preset" --parts step \
-    --layers "${STEP_LAYERS:-4}" --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/step-$preset.json" 2>&1 \
+    --layers "${STEP_LAYERS:-2,4}" --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/step-$preset.json" 2>&1 \
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/step-$preset.log"
 done
 exit 0
