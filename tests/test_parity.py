@@ -17,7 +17,7 @@ from tiny_models import tiny_model
 from torch import nn
 
 from kt_ft.kernels import LORA_NAMES, ExpertSpec, ExpertWeights, LoraTensors, reference_moe
-from kt_ft.models import FAMILIES
+from kt_ft.models import FAMILIES, unwrap_peft
 from kt_ft.moe.experts import KTExperts
 from kt_ft.moe.patch import replace_routed_experts
 from kt_ft.rules import load_rules, make_plan, resolve_rule_path
@@ -85,7 +85,8 @@ def build_pair(
         parent_name, _, child = name.rpartition(".")
         parent = ref_model.get_submodule(parent_name)
         lora = {n: getattr(m, n).detach() for n in LORA_NAMES}
-        setattr(parent, child, PlainLoRAExperts(getattr(parent, child), lora, alpha / rank, m.spec))
+        hf = unwrap_peft(getattr(parent, child))  # newer PEFT wraps fused experts when targeted
+        setattr(parent, child, PlainLoRAExperts(hf, lora, alpha / rank, m.spec))
     return peft_model, ref_model
 
 

@@ -175,13 +175,40 @@ def _gpt_oss_problems(module: Any) -> list[str]:
     return problems
 
 
+def unwrap_peft(module):
+    """The module inside PEFT's ``ParamWrapper`` layers (itself when not wrapped)."""
+    while type(module).__name__ == "ParamWrapper" and hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
+def _outermost_peft_wrapper(model, name: str) -> str:
+    """The name to replace for the experts module at ``name``: the outermost PEFT wrapper around it.
+
+    Newer PEFT (0.21) matches LoRA targets such as ``down_proj`` against the fused experts'
+    parameters too and wraps the module in ``ParamWrapper`` layers (``experts.base_layer...``).
+    kt-ft trains the expert LoRA itself, so it replaces the whole wrapper chain: PEFT's expert
+    LoRA would otherwise run on top of kt-ft's and be a second, GPU-side copy of the work.
+    """
+    while name.endswith(".base_layer"):
+        parent = name[: -len(".base_layer")]
+        if type(model.get_submodule(parent)).__name__ != "ParamWrapper":
+            break
+        name = parent
+    return name
+
+
 def find_routed_experts(model, family: MoEFamily) -> list[tuple[str, Any]]:
     """(dotted name, module) of every routed-experts module, in model order, layout-checked.
 
     Only MoE layers have one (dense layers of first-k-dense / mlp_only_layers families have an
     MLP instead), so the names carry the real decoder-layer indices.
     """
-    found = [(n, m) for n, m in model.named_modules() if type(m).__name__ == family.experts_class]
+    found = [
+        (_outermost_peft_wrapper(model, n), m)
+        for n, m in model.named_modules()
+        if type(m).__name__ in family.experts_classes
+    ]
     for name, module in found:
         check_routed_experts(name, module, family)
     return found

@@ -48,6 +48,12 @@ class MoEFamily:
     demo_model_type: str | None = None
     # how the routed experts store their weights and which activation they compute (module doc)
     expert_layout: str = "fused_silu"
+    # other names the experts class has in other transformers versions (a rename keeps the layout)
+    experts_class_aliases: tuple[str, ...] = ()
+
+    @property
+    def experts_classes(self) -> tuple[str, ...]:
+        return (self.experts_class, *self.experts_class_aliases)
 
     @property
     def model_types(self) -> tuple[str, ...]:
@@ -147,6 +153,7 @@ FAMILIES: dict[str, MoEFamily] = {
     "deepseek_v3": MoEFamily(
         model_type="deepseek_v3",
         experts_class="DeepseekV3NaiveMoe",
+        experts_class_aliases=("DeepseekV3Experts",),  # transformers 5.17
         activation="silu",
         builtin_rule="deepseek_v3",
         template="deepseek3",
@@ -170,6 +177,7 @@ FAMILIES: dict[str, MoEFamily] = {
     "glm4_moe": MoEFamily(
         model_type="glm4_moe",
         experts_class="Glm4MoeNaiveMoe",
+        experts_class_aliases=("Glm4MoeExperts",),  # transformers 5.17
         activation="silu",
         builtin_rule="glm4_moe",
         template="glm4_moe",

@@ -9,6 +9,7 @@ import torch
 from ..kernels import select_backend
 from ..kernels.base import DEFAULT_SPEC
 from ..log import fmt_bytes, get_logger
+from ..models import unwrap_peft
 from ..rules.plan import PlacementPlan
 from .experts import KTExperts
 
@@ -50,10 +51,20 @@ def replace_routed_experts(
     backends: dict[str, tuple] = {}
     lora_params = expert_bytes = 0
     num_experts = 0
+    peft_wrapped = False
     for place in plan.experts:
         parent_name, _, child = place.name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        hf = getattr(parent, child)
+        wrapped = getattr(parent, child)
+        hf = unwrap_peft(wrapped)
+        if hf is not wrapped and not peft_wrapped:
+            logger.warning(
+                f"{place.name} (and any other): PEFT put its own LoRA on the fused experts (a LoRA target "
+                "matched their parameters); kt-ft trains the expert LoRA itself and drops PEFT's there. Newer PEFT "
+                "also removes gate_proj/up_proj/down_proj from target_modules for some MoE families, so shared "
+                "experts and dense MLPs may have no LoRA (README: Known traps)"
+            )
+        peft_wrapped = peft_wrapped or hf is not wrapped
         spec = place.spec or DEFAULT_SPEC
         key = (place.backend, spec)
         if key not in backends:

@@ -55,7 +55,7 @@ class Rule:
     index: int  # position in its own file's list
     where: str  # "file:line" of the rule
     name: re.Pattern | None
-    cls: str | None
+    cls: str | tuple[str, ...] | None  # a class name or dotted path, or a list of alternatives
     device: str
     backend: str | None
     threads: int | None
@@ -65,6 +65,13 @@ class Rule:
     source: str = ""  # the file the rule is written in (included rules keep theirs)
     device_at: str = ""  # "file:line: [i].replace.device", for device errors found later
 
+    @property
+    def classes(self) -> tuple[str, ...]:
+        """The class alternatives (any of them matches); () when the rule names no class."""
+        if self.cls is None:
+            return ()
+        return (self.cls,) if isinstance(self.cls, str) else self.cls
+
     def matches(self, module_name: str, module: Any) -> bool:
         if self.name is not None and not self.name.search(module_name):
             return False
@@ -73,10 +80,13 @@ class Rule:
             if layer is None or layer not in self.layers:
                 return False
         if self.cls is not None:
+            # PEFT's ParamWrapper (newer PEFT wraps fused experts) is transparent to class matching
+            while type(module).__name__ == "ParamWrapper" and hasattr(module, "base_layer"):
+                module = module.base_layer
             names = {c.__name__ for c in type(module).__mro__} | {
                 f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__
             }
-            if self.cls not in names:
+            if names.isdisjoint(self.classes):
                 return False
         return True
 
@@ -88,7 +98,7 @@ class Rule:
         """
         if self.name is not None and (other.name is None or other.name.pattern != self.name.pattern):
             return False
-        if self.cls is not None and other.cls != self.cls:
+        if self.cls is not None and (other.cls is None or not set(other.classes) <= set(self.classes)):
             return False
         if self.layers is not None and (other.layers is None or not other.layers.issubset(self.layers)):
             return False
@@ -97,7 +107,7 @@ class Rule:
     def describe(self) -> str:
         parts = []
         if self.cls is not None:
-            parts.append(f"class={self.cls}")
+            parts.append(f"class={'|'.join(self.classes)}")
         if self.name is not None:
             parts.append(f"name=/{self.name.pattern}/")
         if self.layers is not None:
@@ -207,8 +217,14 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
                 r.problem(m["name"], f"{path_i}.match.name", f"invalid regex {pat!r}: {e}")
         if "class" in m:
             cls = r.value(m["class"])
-            if not isinstance(cls, str) or not cls:
-                r.problem(m["class"], f"{path_i}.match.class", f"{cls!r} is not a class name or dotted path")
+            if isinstance(cls, list) and cls and all(isinstance(c, str) and c for c in cls):
+                cls = tuple(cls)  # alternatives, e.g. a class renamed between transformers versions
+            elif not isinstance(cls, str) or not cls:
+                r.problem(
+                    m["class"],
+                    f"{path_i}.match.class",
+                    f"{cls!r} is not a class name or dotted path (or a list of them)",
+                )
                 cls = None
         if "layers" in m:
             layers = r.parsed(m["layers"], f"{path_i}.match.layers", parse_layers)
