@@ -13,9 +13,9 @@ one sequence of ``--seq`` tokens per step:
 - ``offload``: transformers with accelerate's CPU offload (``device_map="auto"``) under a GPU
   memory cap, LoRA on attention only: PEFT's ``target_parameters`` LoRA fails on offloaded
   (meta) expert weights (PEFT 0.21: "unsupported scalarType" in its autocast guard), so this
-  system does less work than the others. The cap is given for the full model (default 24 GiB)
-  and scaled by the share of its parameter bytes the benchmarked layers hold, so a 4-layer
-  run offloads the same fraction a 48-layer run would.
+  system does less work than the others. The cap (default 24 GiB) is for the full model: the
+  share of its routed experts that fits beside everything else stays on the GPU, and the same
+  share of the benchmarked layers' experts does, the rest is offloaded.
 
 With two or more layer counts (``--layers 2,4``) every system runs at each, and a line fitted
 through the two largest (time and peak GPU memory are affine in the layer count: fixed
@@ -203,6 +203,44 @@ def _load_peft(model_dir: str, device, device_map, max_memory=None, experts: boo
         return get_peft_model(model, _peft_config(False)), f"LoRA on attention only ({e})"
 
 
+def _param_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def expert_share_on_gpu(preset: str, cap_bytes: float) -> float:
+    """The share of the FULL model's routed-experts bytes that fits on the GPU under ``cap_bytes``
+    once everything else (embeddings, head, attention, dense and shared MLPs) is there."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, cfg = MODEL_CONFIGS[preset]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(model_type, **cfg), dtype=torch.bfloat16
+        )
+    experts = sum(_param_bytes(m) for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    return min(1.0, max(0.0, (cap_bytes - (_param_bytes(model) - experts)) / experts)) if experts else 1.0
+
+
+def offload_device_map(model_dir: str, keep_share: float) -> tuple[dict[str, int | str], int, int]:
+    """accelerate's offload map: everything trainable (attention, its LoRA, embeddings, head) on
+    GPU 0, the first ``keep_share`` of the routed-experts modules too, the rest offloaded to the
+    CPU (accelerate copies them in at each forward). ``device_map="auto"`` would offload whole
+    decoder layers, LoRA included, and PEFT cannot train offloaded (meta) weights.
+    Returns (device map, offloaded modules, all experts modules)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
+    names = [n for n, _ in model.named_modules() if n.endswith("mlp.experts")]
+    keep = round(keep_share * len(names))
+    device_map: dict[str, int | str] = {"": 0}
+    for name in names[keep:]:
+        device_map[name] = "cpu"
+    return device_map, len(names) - keep, len(names)
+
+
 def worker(args: argparse.Namespace) -> StepRecord:
     """Load one system, train ``warmup + steps`` steps, report the best step time."""
     import torch
@@ -218,10 +256,13 @@ def worker(args: argparse.Namespace) -> StepRecord:
         model, note = _load_peft(args.model, device, {"": device})
         name = "peft-gpu" if cuda else "peft-cpu"  # without CUDA the "all on the GPU" system runs on the CPU
     else:
-        cap = f"{args.gpu_cap_gib:.2f}GiB"
-        model, note = _load_peft(args.model, device, "auto", {0: cap, "cpu": "1000GiB"}, experts=False)
-        devices = sorted({str(d) for d in getattr(model, "hf_device_map", {}).values()})
-        note += f"; GPU cap {cap}; device map uses {', '.join(devices)}"
+        share = expert_share_on_gpu(args.preset, args.gpu_cap_gib * 2**30)
+        device_map, n_off, n = offload_device_map(args.model, share)
+        model, note = _load_peft(args.model, device, device_map, experts=False)
+        note += (
+            f"; a {args.gpu_cap_gib:g} GiB cap on the full model keeps {share:.0%} of its experts on the GPU:"
+            f" {n_off} of {n} experts modules offloaded here"
+        )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
     model.train()
@@ -332,12 +373,11 @@ def _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeo
     records: list[StepRecord] = []
     with tempfile.TemporaryDirectory(prefix="kt-ft-bench-") as tmp:
         model_dir, share = build_model_dir(preset, n_layers, Path(tmp) / "model")
-        cap = gpu_cap_gib * share
         for system, backend in tqdm(jobs, desc=f"step bench {preset} x{n_layers} layers", unit="system"):
             out = Path(tmp) / f"{system}-{backend}.json"
             cmd = [sys.executable, "-m", "kt_ft.bench_step", "--system", system, "--backend", backend or "auto",
                    "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
-                   "--steps", str(steps), "--gpu-cap-gib", f"{cap:.4f}", "--out", str(out)]  # fmt: skip
+                   "--steps", str(steps), "--gpu-cap-gib", f"{gpu_cap_gib:g}", "--out", str(out)]  # fmt: skip
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
             except subprocess.TimeoutExpired:
