@@ -6,6 +6,10 @@ trainer_state.json, then calls ``on_save``. Writing the manifest there, over all
 files, is what makes "manifest present" mean "checkpoint complete": a SIGKILL anywhere
 before leaves a dir every kt-ft loader refuses, and the previous checkpoint untouched.
 
+With several processes, rank 0 alone writes the model, optimizer and manifest (the HF
+Trainer's ``should_save``); the other ranks write only their ``rng_state_{rank}.pth``, and
+``on_save`` waits for all of them before the manifest hashes the directory.
+
 LLaMA-Factory 0.9.5 builds its callback list in ``llamafactory.train.tuner._training_function``;
 ``patch_tuner_module`` appends this callback there. It does nothing for models kt-ft did not
 attach to (``use_kt: false``).
@@ -20,6 +24,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..checkpoint.manifest import write_manifest
+from ..distributed import barrier
 
 
 class KTCheckpointCallback(TrainerCallback):
@@ -31,7 +36,12 @@ class KTCheckpointCallback(TrainerCallback):
 
     def on_save(self, args, state, control, model=None, **kwargs):
         info = getattr(model, "_kt_ft_info", None)
-        if info is None or not state.is_world_process_zero:
+        if info is None:
+            return
+        # With several processes every rank writes its own rng_state_{rank}.pth, with no barrier
+        # before this callback: wait for all of them before rank 0 hashes the directory.
+        barrier()
+        if not state.is_world_process_zero:
             return
         directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if directory.is_dir():
