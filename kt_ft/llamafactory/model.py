@@ -25,7 +25,7 @@ from ..log import fmt_bytes, get_logger
 from ..lora import lora_scaling
 from ..models import family_of
 from ..moe.patch import replace_routed_experts
-from ..moe.shared_weights import meta_device_map, share_expert_weights
+from ..moe.shared_weights import meta_device_map, share_expert_weights, sharing_enabled
 from ..rules import load_rules, make_plan, resolve_rule_path
 
 logger = get_logger(__name__)
@@ -67,7 +67,7 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
         config, rules, family, model_args.kt_backend, threads_per_rank(model_args.cpu_infer), training_device
     )
     topo = topology()
-    if single and topo.local_world_size > 1 and topo.local_rank != 0:
+    if single and sharing_enabled(topo.local_world_size) and topo.local_rank != 0:
         # Another rank on this machine loads the experts; this one maps them (shared_weights).
         init_kwargs["device_map"] = meta_device_map(device_map, [e.name for e in plan.experts])
         logger.info(f"local rank {topo.local_rank}: routed experts not read here (shared from local rank 0)")
@@ -92,7 +92,7 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
             f"cpu_infer={model_args.cpu_infer} shared by {topo.local_world_size} ranks on this machine: "
             f"{threads} expert threads per rank"
         )
-        if topo.distributed:
+        if topo.distributed and sharing_enabled(topo.local_world_size):
             share_expert_weights(model, [e.name for e in plan.experts], topo.local_rank)
 
     adapters = model_args.adapter_name_or_path or []

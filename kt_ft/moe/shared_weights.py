@@ -16,6 +16,8 @@ on a machine, kt-ft instead:
    process maps them and go away with the last one (no leftover in /dev/shm after a crash
    that happens later).
 
+``KT_FT_SHARE_EXPERTS=0`` turns this off (each rank then holds a private copy), to compare.
+
 All ranks then compute on the same physical pages (kt-ft never writes base weights: they are
 frozen and DDP is kept away from them, see ``kt_ft.distributed``). Each tensor starts on a
 4 KiB boundary of the file; the layout (name, shape, dtype, offset) comes from the
@@ -37,6 +39,7 @@ from ..log import fmt_bytes, get_logger
 logger = get_logger(__name__)
 
 SHARED_DIR_ENV = "KT_FT_SHARED_DIR"
+SHARE_ENV = "KT_FT_SHARE_EXPERTS"  # "0": every rank loads its own private copy (for comparison)
 DEFAULT_SHARED_DIR = "/dev/shm"
 FILE_PREFIX = "kt-ft-experts-"
 ALIGN = 4096
@@ -58,6 +61,11 @@ class Slot:
         for s in self.shape:
             n *= s
         return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def sharing_enabled(local_world_size: int) -> bool:
+    """Several ranks on this machine, and not turned off with KT_FT_SHARE_EXPERTS=0."""
+    return local_world_size > 1 and os.environ.get(SHARE_ENV, "1") != "0"
 
 
 def shared_dir() -> Path:
