@@ -89,11 +89,11 @@ def runs(demo_assets, tmp_path_factory):
     return root, logs
 
 
-def assert_close_runs(got_dir, want_dir, steps):
+def assert_close_runs(got_dir, want_dir, steps, loss_rtol=LOSS_RTOL):
     want, got = step_losses(want_dir), step_losses(got_dir)
     assert sorted(got) == steps, got
     for s in steps:
-        assert abs(got[s] - want[s]) <= LOSS_RTOL * abs(want[s]), f"step {s}: loss {got[s]} vs {want[s]}"
+        assert abs(got[s] - want[s]) <= loss_rtol * abs(want[s]), f"step {s}: loss {got[s]} vs {want[s]}"
     a, b = adapter_tensors(got_dir), adapter_tensors(want_dir)
     assert a.keys() == b.keys()
     for k in a:
@@ -154,3 +154,31 @@ def test_expert_weights_are_one_copy_per_machine(runs):
         assert m["Size"] >= expert_bytes
     pss = sum(r["expert_mapping"]["Pss"] for r in records)
     assert abs(pss - expert_bytes) <= 0.05 * expert_bytes + 8192, (pss, expert_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs: DDP over NCCL with the experts on the CPU (gloo for their grads)",
+)
+def test_two_gpus_match_one(demo_assets, tmp_path):
+    """On a 2-GPU machine (not run in CI): DDP over NCCL for the GPU part, experts on the CPU
+    with their LoRA grads averaged over gloo; same global batch as 1 GPU. Tolerances as on the
+    CPU but losses rel 1e-4 (GPU kernels reorder sums; not yet measured on a lent machine)."""
+    runs = {
+        "two": start_train(
+            demo_assets, tmp_path / "two", max_steps=4, per_device_train_batch_size=2, env=torchrun_env(2)
+        ),
+        "one": start_train(
+            demo_assets,
+            tmp_path / "one",
+            max_steps=4,
+            per_device_train_batch_size=4,
+            env={"CUDA_VISIBLE_DEVICES": "0"},
+        ),
+    }
+    for proc in runs.values():
+        rc, log = finish(proc)
+        assert rc == 0, log[-4000:]
+    assert_close_runs(tmp_path / "two", tmp_path / "one", [1, 2, 3, 4], loss_rtol=1e-4)
