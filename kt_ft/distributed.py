@@ -17,18 +17,18 @@ So every parameter of a ``KTExperts`` module (frozen base weights and the six ex
 tensors) is hidden from DDP (``_ddp_params_and_buffers_to_ignore``), and ``ExpertGradSync``
 averages the expert-LoRA gradients itself over a gloo process group (gloo reduces CPU
 tensors; on a CPU-only run it is also the default backend). It does so once per optimizer
-step, at the end of the backward of the last micro-batch (the one after which the Trainer
-steps, as accelerate's ``GradientState.sync_gradients`` says), through
-``queue_callback`` (what DDP itself uses), so clipping and the optimizer see averaged
-gradients, exactly as DDP would have left them: sum over ranks / world size. The router's
+step, inside the backward of the last micro-batch (the one after which the Trainer steps, as
+accelerate's ``GradientState.sync_gradients`` says), as soon as every expert-LoRA gradient of
+that backward has arrived, so clipping and the optimizer see averaged gradients, exactly as
+DDP would have left them: sum over ranks / world size. The router's
 ``top_k_weights`` gradient flows back into the router's own (DDP-managed) parameters, and the
 attention / shared-expert PEFT LoRA stay DDP's job.
 
-Why not a hook per parameter, launched as its gradient arrives: gloo matches collectives by
-call order, and on a GPU machine the CPU parameters' gradients are accumulated by autograd's
-CPU worker while the GPU work runs on another thread, so the arrival order is not guaranteed
-to be the same on every rank. One pass over a fixed list, at the end, is. (Overlapping that
-all-reduce with the backward is future work: per layer, in layer order.)
+Why not one all-reduce per parameter, launched as its gradient arrives: gloo matches
+collectives by call order, and on a GPU machine the order in which autograd finishes the CPU
+parameters' gradients is not guaranteed to be the same on every rank. One pass over a fixed
+list, once all have arrived, is. (Overlapping that all-reduce with the backward is future
+work: per layer, in layer order.)
 
 The expert LoRA is not sharded: every rank holds all of it, its AdamW state is an ordinary
 (unsharded) ``optimizer.pt`` written by rank 0, and a checkpoint resumes on any number of
@@ -145,45 +145,63 @@ def _accelerate_syncs_now() -> bool:
 
 
 class ExpertGradSync:
-    """Averages the expert-LoRA gradients over all ranks (gloo) at the end of each optimizer
-    step's last backward. See the module docstring for why DDP does not do it.
+    """Averages the expert-LoRA gradients over all ranks (gloo) once per optimizer step, as soon
+    as the backward that precedes the step has produced all of them. See the module docstring
+    for why DDP does not do it.
 
     ``params``: the expert-LoRA parameters in one fixed order (the same on every rank: the
     model's module order). Gradients are fp32 CPU tensors shaped like the parameters.
+
+    Each trainable parameter's post-accumulate-grad hook fires once per backward; the hook that
+    completes the set runs the all-reduce. Not ``queue_callback`` at the end of the backward:
+    under reentrant gradient checkpointing (LLaMA-Factory's default) each layer's backward is a
+    nested backward of its own, so a queued callback would run once per layer, each time over
+    all layers. ``check_complete`` (called before the optimizer step) turns a set that never
+    completed into an error instead of a silently unsynchronized step.
     """
 
     def __init__(self, params: list[nn.Parameter], group) -> None:
         self.params = params
         self.group = group
         self.world_size = torch.distributed.get_world_size(group)
-        self.reductions = 0  # optimizer steps reduced (tests check it)
-        self._queued = False
+        self.reductions = 0  # all-reduces run (one per optimizer step)
+        self._seen: set[int] = set()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def _on_grad(self, _param: torch.Tensor) -> None:
-        if self._queued or not _accelerate_syncs_now():
-            return
-        self._queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self.all_reduce)
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self.params if p.requires_grad]  # the same on every rank (same recipe)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not _accelerate_syncs_now():
+            return  # a micro-batch before the last one: gradients keep accumulating locally
+        self._seen.add(id(param))
+        if len(self._seen) == len(self._trainable()):
+            self.all_reduce()
 
     def all_reduce(self) -> None:
         """grad <- sum over ranks / world size, for every expert-LoRA param that trains."""
         import torch.distributed as dist
 
-        self._queued = False
+        self._seen.clear()
+        trainable = self._trainable()
         works = []
-        for p in self.params:
-            if not p.requires_grad:
-                continue  # frozen on every rank alike (requires_grad comes from the same recipe)
-            if p.grad is None:  # e.g. a layer no token reached on this rank: contributes zeros
+        for p in trainable:
+            if p.grad is None:
                 p.grad = torch.zeros_like(p)
             works.append(dist.all_reduce(p.grad, group=self.group, async_op=True))
         for w in works:
             w.wait()
-        for p in self.params:
-            if p.requires_grad:
-                p.grad.div_(self.world_size)
+        for p in trainable:
+            p.grad.div_(self.world_size)
         self.reductions += 1
+
+    def check_complete(self) -> None:
+        """Raise if a backward left some expert-LoRA gradients unreduced (called before a step)."""
+        if self._seen:
+            raise RuntimeError(
+                f"kt-ft: only {len(self._seen)} of {len(self._trainable())} expert-LoRA gradients arrived in the "
+                "backward before this optimizer step; they were not averaged across ranks"
+            )
 
     def remove(self) -> None:
         for h in self._handles:

@@ -2,14 +2,15 @@
 llamafactory-cli train``, gloo) against 1, on the fp32 demo recipe with the same global batch.
 
 Runs (``runs``, two waves of two concurrent subprocesses):
-  two  2 processes x per-device batch 2, 4 steps, checkpoint-2 (and a memory report)
+  two  2 processes x per-device batch 1 x gradient accumulation 2, 4 steps, checkpoint-2
+       (and a memory report)
   one  1 process  x batch 4, 4 steps, checkpoint-2
   two_to_one  resumes ``two``'s checkpoint-2 on 1 process x 4 to step 4
-  one_to_two  resumes ``one``'s checkpoint-2 on 2 processes x 2 to step 4
+  one_to_two  resumes ``one``'s checkpoint-2 on 2 processes x 1 x 2 to step 4
 
 Both processes see the examples one process would see in the same step (accelerate hands
-rank r the r-th per-device batch of the same shuffled order), and the HF Trainer scales each
-rank's loss by the global token count, so the runs compute the same thing in another float
+rank r every r-th per-device batch of the same shuffled order), and the HF Trainer scales each
+micro-batch's loss by the step's global token count, so the runs compute the same thing in another float
 order. Tolerances, measured (2026-12-02) well below them: losses rel 1e-5 (seen 1e-7); final
 tensors (PEFT adapter, fp32 expert-LoRA master, bf16 fused file) max |a-b| <= 1e-4 x max |b|
 per tensor (seen 5e-6, bf16 file: one rounding step can flip, hence its own 1e-2).
@@ -51,7 +52,7 @@ def runs(demo_assets, tmp_path_factory):
     pytest.importorskip("llamafactory")
     root = tmp_path_factory.mktemp("ddp")
     common = {"max_steps": 4, "save_steps": 2}
-    two = {"per_device_train_batch_size": 2, "env": torchrun_env(2)}
+    two = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "env": torchrun_env(2)}
     one = {"per_device_train_batch_size": 4}
     report = root / "memory"
     wave1 = {
@@ -110,6 +111,8 @@ def test_two_processes_match_one_with_the_same_global_batch(runs):
     assert "data parallel: rank 0 of 2 (2 on this machine)" in logs["two"], logs["two"][-3000:]
     assert "cpu_infer=2 shared by 2 ranks on this machine: 1 expert threads per rank" in logs["two"]
     assert "shared by this machine's ranks: one MAP_SHARED copy" in logs["two"]
+    # one all-reduce per optimizer step (not one per micro-batch, nor per checkpointed layer)
+    assert "expert-LoRA gradients averaged across ranks 4 times this run" in logs["two"]
     assert_close_runs(root / "two", root / "one", [1, 2, 3, 4])
 
 

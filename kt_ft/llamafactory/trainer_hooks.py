@@ -25,7 +25,10 @@ from transformers import TrainerCallback
 
 from ..checkpoint.manifest import write_manifest
 from ..distributed import barrier
+from ..log import get_logger
 from ..memory import memory_report
+
+logger = get_logger(__name__)
 
 
 class KTCheckpointCallback(TrainerCallback):
@@ -35,7 +38,15 @@ class KTCheckpointCallback(TrainerCallback):
         if model is not None and getattr(model, "_kt_ft_info", None) is not None:
             model._kt_ft_defer_checkpoint_manifest = True  # model.py's save hook leaves it to on_save
 
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        sync = getattr(model, "_kt_ft_grad_sync", None)
+        if sync is not None:
+            sync.check_complete()  # several processes: the expert-LoRA grads were all averaged
+
     def on_train_end(self, args, state, control, model=None, **kwargs):
+        sync = getattr(model, "_kt_ft_grad_sync", None)
+        if sync is not None:
+            logger.info(f"expert-LoRA gradients averaged across ranks {sync.reductions} times this run")
         if getattr(model, "_kt_ft_info", None) is not None:
             memory_report(model)  # only with KT_FT_MEMORY_REPORT set (scripts/ddp_memory.py)
 
