@@ -83,9 +83,12 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 
 def make_demo_model(
-    out_dir: str | Path, family: str = "qwen3_moe", seed: int = 0, dtype: str = "float32"
+    out_dir: str | Path, family: str = "qwen3_moe", seed: int = 0, dtype: str = "float32", **config_overrides
 ) -> Path:
-    """Write ``out_dir/model`` (config, weights, tokenizer) and ``out_dir/data`` (dataset + info)."""
+    """Write ``out_dir/model`` (config, weights, tokenizer) and ``out_dir/data`` (dataset + info).
+
+    ``config_overrides`` replace keys of the family's demo config (e.g. ``num_experts=64,
+    moe_intermediate_size=1536`` for larger routed experts)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -113,7 +116,7 @@ def make_demo_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        **fam.demo_config,
+        **{**fam.demo_config, **config_overrides},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

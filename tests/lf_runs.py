@@ -19,8 +19,9 @@ CLI = Path(sys.executable).with_name("llamafactory-cli")
 MANIFEST = "kt_adapter_manifest.json"
 
 
-def start_train(demo_assets: Path, out: Path, **overrides) -> subprocess.Popen:
-    """Start the demo recipe (fp32, dataloader_num_workers 0, seed 42) with ``key=value`` overrides."""
+def start_train(demo_assets: Path, out: Path, *, env: dict | None = None, **overrides) -> subprocess.Popen:
+    """Start the demo recipe (fp32, dataloader_num_workers 0, seed 42) with ``key=value`` overrides
+    (and extra environment variables ``env``)."""
     args = {
         "model_name_or_path": demo_assets / "model",
         "dataset_dir": demo_assets / "data",
@@ -36,11 +37,22 @@ def start_train(demo_assets: Path, out: Path, **overrides) -> subprocess.Popen:
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=REPO,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})},
     )
     proc.log_path = log.name
     proc.log_file = log
     return proc
+
+
+def torchrun_env(procs: int) -> dict[str, str]:
+    """Environment for ``llamafactory-cli train`` to launch ``procs`` processes through torchrun
+    (LLaMA-Factory calls ``torchrun`` by name: the venv's bin goes first on PATH)."""
+    return {
+        "FORCE_TORCHRUN": "1",
+        "NNODES": "1",
+        "NPROC_PER_NODE": str(procs),
+        "PATH": f"{CLI.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:

@@ -19,11 +19,13 @@ from ..checkpoint import (
     verify_adapter_dir,
 )
 from ..checkpoint.manifest import CHECKPOINT_DIR
+from ..distributed import setup_data_parallel, threads_per_rank, topology
 from ..errors import KTConfigError
 from ..log import fmt_bytes, get_logger
 from ..lora import lora_scaling
 from ..models import family_of
 from ..moe.patch import replace_routed_experts
+from ..moe.shared_weights import meta_device_map, share_expert_weights, sharing_enabled
 from ..rules import load_rules, make_plan, resolve_rule_path
 
 logger = get_logger(__name__)
@@ -62,9 +64,14 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
     training_device = current[""] if single else "cpu"
     rules = load_rules(_rule_path(model_args, family))
     device_map, plan = planned_device_map(
-        config, rules, family, model_args.kt_backend, model_args.cpu_infer, training_device
+        config, rules, family, model_args.kt_backend, threads_per_rank(model_args.cpu_infer), training_device
     )
-    if single and torch.cuda.is_available() and torch.device(training_device).type == "cuda":
+    topo = topology()
+    if single and sharing_enabled(topo.local_world_size) and topo.local_rank != 0:
+        # Another rank on this machine loads the experts; this one maps them (shared_weights).
+        init_kwargs["device_map"] = meta_device_map(device_map, [e.name for e in plan.experts])
+        logger.info(f"local rank {topo.local_rank}: routed experts not read here (shared from local rank 0)")
+    elif single and torch.cuda.is_available() and torch.device(training_device).type == "cuda":
         init_kwargs["device_map"] = device_map
         logger.info(
             f"loading {len(plan.experts)} routed-experts modules straight into CPU RAM, the rest to {training_device}"
@@ -75,9 +82,18 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     """Replace routed experts by kt-ft's CPU experts (with expert LoRA) and hook saving."""
     family = family_of(model.config)
     rule_path = _rule_path(model_args, family)
-    plan = make_plan(model, load_rules(rule_path), family, model_args.kt_backend, model_args.cpu_infer)
+    topo = topology()
+    threads = threads_per_rank(model_args.cpu_infer, topo)
+    plan = make_plan(model, load_rules(rule_path), family, model_args.kt_backend, threads)
     for note in plan.notes:
         logger.info(note)
+    if topo.local_world_size > 1:
+        logger.info(
+            f"cpu_infer={model_args.cpu_infer} shared by {topo.local_world_size} ranks on this machine: "
+            f"{threads} expert threads per rank"
+        )
+        if topo.distributed and sharing_enabled(topo.local_world_size):
+            share_expert_weights(model, [e.name for e in plan.experts], topo.local_rank)
 
     adapters = model_args.adapter_name_or_path or []
     if len(adapters) > 1:
@@ -121,6 +137,8 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
             if hasattr(m, "runner"):
                 for p in m.lora_tensors():
                     p.requires_grad_(False)
+    else:
+        setup_data_parallel(model)  # several processes: DDP setup and expert-LoRA grad averaging
 
     _hook_save_pretrained(model, info)
     _hook_load_adapter(model, info)

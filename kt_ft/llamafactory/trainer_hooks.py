@@ -6,6 +6,10 @@ trainer_state.json, then calls ``on_save``. Writing the manifest there, over all
 files, is what makes "manifest present" mean "checkpoint complete": a SIGKILL anywhere
 before leaves a dir every kt-ft loader refuses, and the previous checkpoint untouched.
 
+With several processes, rank 0 alone writes the model, optimizer and manifest (the HF
+Trainer's ``should_save``); the other ranks write only their ``rng_state_{rank}.pth``, and
+``on_save`` waits for all of them before the manifest hashes the directory.
+
 LLaMA-Factory 0.9.5 builds its callback list in ``llamafactory.train.tuner._training_function``;
 ``patch_tuner_module`` appends this callback there. It does nothing for models kt-ft did not
 attach to (``use_kt: false``).
@@ -20,6 +24,11 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..checkpoint.manifest import write_manifest
+from ..distributed import barrier
+from ..log import get_logger
+from ..memory import memory_report
+
+logger = get_logger(__name__)
 
 
 class KTCheckpointCallback(TrainerCallback):
@@ -29,18 +38,71 @@ class KTCheckpointCallback(TrainerCallback):
         if model is not None and getattr(model, "_kt_ft_info", None) is not None:
             model._kt_ft_defer_checkpoint_manifest = True  # model.py's save hook leaves it to on_save
 
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        sync = getattr(model, "_kt_ft_grad_sync", None)
+        if sync is not None:
+            sync.check_complete()  # several processes: the expert-LoRA grads were all averaged
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        sync = getattr(model, "_kt_ft_grad_sync", None)
+        if sync is not None:
+            logger.info(f"expert-LoRA gradients averaged across ranks {sync.reductions} times this run")
+        if getattr(model, "_kt_ft_info", None) is not None:
+            memory_report(model)  # only with KT_FT_MEMORY_REPORT set (scripts/ddp_memory.py)
+
     def on_save(self, args, state, control, model=None, **kwargs):
         info = getattr(model, "_kt_ft_info", None)
-        if info is None or not state.is_world_process_zero:
+        if info is None:
+            return
+        # With several processes every rank writes its own rng_state_{rank}.pth, with no barrier
+        # before this callback: wait for all of them before rank 0 hashes the directory.
+        barrier()
+        if not state.is_world_process_zero:
             return
         directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if directory.is_dir():
             write_manifest(directory, info, with_trainer_state=True)
 
 
+def patch_optimizer_loading() -> None:
+    """Resume: every rank reads the one (unsharded) ``optimizer.pt`` into CPU memory, and
+    ``Optimizer.load_state_dict`` moves each state to its parameter's device (expert LoRA: the
+    CPU; PEFT LoRA: the GPU). The HF Trainer maps it to ``args.device`` when there are several
+    processes: on a CPU run that is ``cpu:0``, a location ``torch.load`` rejects ("don't know how
+    to restore data location"), and on a GPU run the expert LoRA's AdamW state would pass
+    through the GPU. Only for kt-ft models, and not under DeepSpeed or FSDP (their own loaders)."""
+    import os
+
+    import torch
+    from transformers import Trainer
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+    original = Trainer._load_optimizer_and_scheduler
+    if getattr(original, "_kt_ft", False):
+        return
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        opt = os.path.join(checkpoint, OPTIMIZER_NAME) if checkpoint else None
+        sched = os.path.join(checkpoint, SCHEDULER_NAME) if checkpoint else None
+        if (
+            opt is None
+            or getattr(self.model, "_kt_ft_info", None) is None
+            or self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or not (os.path.isfile(opt) and os.path.isfile(sched))
+        ):
+            return original(self, checkpoint)
+        self.optimizer.load_state_dict(torch.load(opt, map_location="cpu", weights_only=True))
+        self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+    _load_optimizer_and_scheduler._kt_ft = True
+    Trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+
+
 def patch_tuner_module(tuner: ModuleType) -> None:
     if getattr(tuner, "_kt_ft_patched", False):
         return
+    patch_optimizer_loading()
     original = tuner._training_function
 
     def _training_function(config: dict[str, Any]) -> None:
