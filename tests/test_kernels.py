@@ -30,14 +30,15 @@ def run_backend(name, base, lora, x, ids, w, gy, scaling):
     return {"out": out, "grad_x": gx, "grad_weights": gw, **{f"grad_{k}": v for k, v in gl._asdict().items()}}
 
 
-def assert_close(ref: dict, got: dict, tol: float):
+def assert_close(ref: dict, got: dict, tol: float, overrides: dict[str, float] | None = None):
     assert ref.keys() == got.keys()
     for key in ref:
+        tol_key = (overrides or {}).get(key, tol)
         a, b = ref[key].double(), got[key].double()
         assert a.shape == b.shape, key
         scale = a.abs().max().clamp_min(1e-12)
         err = ((a - b).abs().max() / scale).item()
-        assert err <= tol, f"{key}: relative error {err:.3e} > {tol:.0e}"
+        assert err <= tol_key, f"{key}: relative error {err:.3e} > {tol_key:.0e}"
 
 
 CASES = {
@@ -65,7 +66,11 @@ def test_fast_backend_matches_reference(backend, dtype, case, rng):
         "reference", ExpertWeights(*up[:2]), LoraTensors(*up[2:8]), up[8], ids, up[9], up[10], 2.0
     )
     got = run_backend(backend, base, lora, x, ids, w, gy, 2.0)
-    assert_close(truth, got, TOL[dtype])
+    # One token's k routing-weight grads are dot products over H of bf16-rounded terms that can
+    # cancel: the bf16 reference loop itself reaches 9.7% there, and the fast path measured 8.1% on
+    # the GPU machine's AMX GEMMs. A wrong gradient is off by ~100%, so 15% still catches it.
+    loose = {"grad_weights": 0.15} if case == "single_token" and dtype == torch.bfloat16 else None
+    assert_close(truth, got, TOL[dtype], loose)
 
 
 def test_reference_backend_is_the_plain_loop(rng):
