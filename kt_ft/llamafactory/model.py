@@ -56,7 +56,7 @@ def _rule_path(model_args: Any, family) -> Path:
 def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
     """Before any weight is read: plan on a meta skeleton (rule errors stop here), and with CUDA
     load the routed experts straight into CPU RAM and the rest straight to the training GPU."""
-    from ..moe.loading import planned_device_map
+    from ..moe.loading import plan_expert_stream, planned_device_map
 
     family = family_of(config)
     current = init_kwargs.get("device_map")
@@ -67,19 +67,40 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
         config, rules, family, model_args.kt_backend, threads_per_rank(model_args.cpu_infer), training_device
     )
     topo = topology()
+    expert_names = [e.name for e in plan.experts]
     if single and sharing_enabled(topo.local_world_size) and topo.local_rank != 0:
         # Another rank on this machine loads the experts; this one maps them (shared_weights).
-        init_kwargs["device_map"] = meta_device_map(device_map, [e.name for e in plan.experts])
+        init_kwargs["device_map"] = meta_device_map(device_map, expert_names)
         logger.info(f"local rank {topo.local_rank}: routed experts not read here (shared from local rank 0)")
+        return
+    stream = plan_expert_stream(model_args.model_name_or_path, config, expert_names) if single else None
+    if stream is not None:
+        # transformers loads the rest; kt-ft reads the experts right after (fill_streamed_experts)
+        init_kwargs["device_map"] = stream.device_map(device_map)
+        model_args._kt_ft_expert_stream = stream
+        logger.info(
+            f"loading {len(expert_names)} routed-experts modules ({fmt_bytes(stream.nbytes)} in the files) "
+            f"straight from the files into CPU RAM, the rest to {training_device}"
+        )
     elif single and torch.cuda.is_available() and torch.device(training_device).type == "cuda":
         init_kwargs["device_map"] = device_map
         logger.info(
-            f"loading {len(plan.experts)} routed-experts modules straight into CPU RAM, the rest to {training_device}"
+            f"loading {len(expert_names)} routed-experts modules into CPU RAM, the rest to {training_device}"
         )
+
+
+def fill_streamed_experts(model: Any, model_args: Any) -> None:
+    """Read the routed experts that ``plan_loading`` kept out of ``from_pretrained`` (on ``meta``)
+    into ``model``; once (a later call is a no-op)."""
+    stream = getattr(model_args, "_kt_ft_expert_stream", None)
+    if stream is not None:
+        model_args._kt_ft_expert_stream = None
+        stream.fill(model)
 
 
 def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: bool) -> None:
     """Replace routed experts by kt-ft's CPU experts (with expert LoRA) and hook saving."""
+    fill_streamed_experts(model, model_args)  # normally done already, before LLaMA-Factory's patch_model
     family = family_of(model.config)
     rule_path = _rule_path(model_args, family)
     topo = topology()
