@@ -42,7 +42,7 @@ def status(key):
 big, small = sys.argv[1], sys.argv[2]
 AutoModelForCausalLM.from_pretrained(small, dtype="auto", device_map={"": "cpu"})  # warm-up
 from kt_ft.models import FAMILIES
-from kt_ft.moe.loading import planned_device_map
+from kt_ft.moe.loading import load_planned, planned_device_map
 from kt_ft.rules import load_rules, resolve_rule_path
 from transformers import AutoConfig
 
@@ -52,7 +52,7 @@ rules = load_rules(resolve_rule_path("qwen3_moe"))
 device_map, plan = planned_device_map(config, rules, FAMILIES["qwen3_moe"], "auto", 1, device)
 Path("/proc/self/clear_refs").write_text("5")
 rss0, anon0, file0 = status("VmRSS:"), status("RssAnon:"), status("RssFile:")
-model = AutoModelForCausalLM.from_pretrained(big, dtype="auto", device_map=device_map)
+model = load_planned(big, device_map, plan, dtype="auto")  # routed experts read by kt-ft
 experts = {e.name for e in plan.experts}
 where = {n: str(p.device) for n, p in model.named_parameters()}
 print(json.dumps({
