@@ -68,7 +68,8 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
     )
     topo = topology()
     expert_names = [e.name for e in plan.experts]
-    if single and sharing_enabled(topo.local_world_size) and topo.local_rank != 0:
+    sharing = single and sharing_enabled(topo.local_world_size)
+    if sharing and topo.local_rank != 0:
         # Another rank on this machine loads the experts; this one maps them (shared_weights).
         init_kwargs["device_map"] = meta_device_map(device_map, expert_names)
         logger.info(f"local rank {topo.local_rank}: routed experts not read here (shared from local rank 0)")
@@ -78,6 +79,8 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
         # transformers loads the rest; kt-ft reads the experts right after (fill_streamed_experts)
         init_kwargs["device_map"] = stream.device_map(device_map)
         model_args._kt_ft_expert_stream = stream
+        # several ranks here: local rank 0 reads them straight into the shared mapping (attach_kt)
+        model_args._kt_ft_stream_shared = sharing
         logger.info(
             f"loading {len(expert_names)} routed-experts modules ({fmt_bytes(stream.nbytes)} in the files) "
             f"straight from the files into CPU RAM, the rest to {training_device}"
@@ -89,21 +92,33 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
         )
 
 
+def take_expert_stream(model_args: Any):
+    """The ExpertStream ``plan_loading`` left to fill (routed experts on ``meta``), once; else None."""
+    stream = getattr(model_args, "_kt_ft_expert_stream", None)
+    model_args._kt_ft_expert_stream = None
+    return stream
+
+
 def fill_streamed_experts(model: Any, model_args: Any) -> None:
     """Read the routed experts that ``plan_loading`` kept out of ``from_pretrained`` (on ``meta``)
-    into ``model``; once (a later call is a no-op)."""
-    stream = getattr(model_args, "_kt_ft_expert_stream", None)
+    into private CPU memory; once. Not where the experts go to a shared mapping (``attach_kt``)."""
+    if getattr(model_args, "_kt_ft_stream_shared", False):
+        return
+    stream = take_expert_stream(model_args)
     if stream is not None:
-        model_args._kt_ft_expert_stream = None
         stream.fill(model)
 
 
 def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: bool) -> None:
     """Replace routed experts by kt-ft's CPU experts (with expert LoRA) and hook saving."""
-    fill_streamed_experts(model, model_args)  # normally done already, before LLaMA-Factory's patch_model
     family = family_of(model.config)
     rule_path = _rule_path(model_args, family)
     topo = topology()
+    share = topo.local_world_size > 1 and topo.distributed and sharing_enabled(topo.local_world_size)
+    if not share:  # experts still on meta (normally filled before LLaMA-Factory's patch_model)
+        stream = take_expert_stream(model_args)
+        if stream is not None:
+            stream.fill(model)
     threads = threads_per_rank(model_args.cpu_infer, topo)
     plan = make_plan(model, load_rules(rule_path), family, model_args.kt_backend, threads)
     for note in plan.notes:
@@ -113,8 +128,11 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
             f"cpu_infer={model_args.cpu_infer} shared by {topo.local_world_size} ranks on this machine: "
             f"{threads} expert threads per rank"
         )
-        if topo.distributed and sharing_enabled(topo.local_world_size):
-            share_expert_weights(model, [e.name for e in plan.experts], topo.local_rank)
+        if share:
+            stream = take_expert_stream(model_args)
+            share_expert_weights(
+                model, [e.name for e in plan.experts], topo.local_rank, fill=stream.fill if stream else None
+            )
 
     adapters = model_args.adapter_name_or_path or []
     if len(adapters) > 1:
