@@ -16,7 +16,8 @@ subprocess per method and prints one JSON line per method and a table:
 
 Measured in the child: after imports and a warm-up load of a tiny model (lazy initialisations
 not counted), VmHWM is reset (``/proc/self/clear_refs``); ``peak`` = VmHWM after loading - VmRSS
-before; ``ru_maxrss`` growth too (it cannot be reset: valid when the load is the largest peak);
+before; ``ru_maxrss`` growth too (it cannot be reset, and Linux carries it over fork and exec: this
+parent stays small and builds the checkpoint in a child of its own);
 ``anon`` / ``file``: growth of RssAnon (private copies) and RssFile (file pages mapped, e.g. by
 safetensors' mmap) from before to after loading. ``expert_bytes``: the routed experts' bytes in
 the loaded model; ``other_bytes``: the rest that is on the CPU.
@@ -151,13 +152,27 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--probe", nargs=2, metavar=("METHOD", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--warmup", help=argparse.SUPPRESS)
+    ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.probe:
         print(json.dumps(probe(a.probe[0], a.probe[1], a.warmup)))
         return
     model_dir, warmup_dir = Path(a.dir), Path(a.dir + "-warmup")
-    build(model_dir, a.layers, a.hidden, a.moe_intermediate, a.experts)
-    build(warmup_dir, 1, 64, 32, 8, vocab=128)
+    if a.build_only:
+        build(model_dir, a.layers, a.hidden, a.moe_intermediate, a.experts)
+        build(warmup_dir, 1, 64, 32, 8, vocab=128)
+        return
+    sizes = [
+        "--layers",
+        a.layers,
+        "--hidden",
+        a.hidden,
+        "--moe-intermediate",
+        a.moe_intermediate,
+        "--experts",
+        a.experts,
+    ]
+    subprocess.run([sys.executable, __file__, "--build-only", "--dir", a.dir, *map(str, sizes)], check=True)
     rows = []
     for method in a.methods.split(","):
         r = run_probe(method, model_dir, warmup_dir)

@@ -130,9 +130,8 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
         )
         if share:
             stream = take_expert_stream(model_args)
-            share_expert_weights(
-                model, [e.name for e in plan.experts], topo.local_rank, fill=stream.fill if stream else None
-            )
+            fill = _fill_under_peft(model, stream) if stream is not None else None
+            share_expert_weights(model, [e.name for e in plan.experts], topo.local_rank, fill=fill)
 
     adapters = model_args.adapter_name_or_path or []
     if len(adapters) > 1:
@@ -192,6 +191,19 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     )
     if torch.cuda.is_available():
         logger.info(f"GPU memory allocated now: {fmt_bytes(torch.cuda.memory_allocated())}")
+
+
+def _fill_under_peft(model: Any, stream: Any):
+    """``stream.fill`` for the model inside PEFT's wrapper (the stream's names are the loaded
+    model's), taking an allocator that expects the wrapper's names (the shared file's slots)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = next(n for n, m in model.named_modules() if m is base)
+    prefix = f"{inner}." if inner else ""
+
+    def fill(allocate):
+        return stream.fill(base, lambda name, shape, dtype: allocate(prefix + name, shape, dtype))
+
+    return fill
 
 
 def _is_routed_expert_param(name: str, model: Any) -> bool:
