@@ -5,12 +5,13 @@ transformers loads a MoE checkpoint's experts into fused ``gate_up_proj`` [E, 2I
 anonymous (private) memory, so N ranks on one machine would hold N copies. With several ranks
 on a machine, kt-ft instead:
 
-1. loads the model normally on local rank 0 only; the other local ranks load the routed
-   experts on the ``meta`` device (shapes only, nothing read: ``meta_device_map``);
-2. local rank 0 copies each fused tensor into one file ``kt-ft-experts-<run token>.bin`` in
-   a RAM-backed directory (``/dev/shm``, or ``$KT_FT_SHARED_DIR``), mapped ``MAP_SHARED``
-   (``torch.UntypedStorage.from_file(shared=True)``), layer by layer, and points the parameter
-   at the mapping (its private copy is freed);
+1. reads the routed experts on local rank 0 only; the other local ranks load them on the
+   ``meta`` device (shapes only, nothing read: ``meta_device_map``);
+2. local rank 0 creates one file ``kt-ft-experts-<run token>.bin`` in a RAM-backed directory
+   (``/dev/shm``, or ``$KT_FT_SHARED_DIR``), mapped ``MAP_SHARED``
+   (``torch.UntypedStorage.from_file(shared=True)``), and reads each fused tensor straight from
+   the checkpoint into it (``fill``: ``kt_ft.moe.expert_stream``, no private copy), or, where
+   transformers loaded them, copies them in layer by layer and frees its private copy;
 3. every other local rank maps the same file and points its meta parameters at it;
 4. once all have mapped it, local rank 0 unlinks the file: the pages live as long as a
    process maps them and go away with the last one (no leftover in /dev/shm after a crash
