@@ -23,6 +23,7 @@ weights loaded as a text model). Anything else (quantized experts such as gpt_os
 
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..rules.skeleton import _header, _shards
+from ..rules.skeleton import _shards
 
 # dtypes read by plain byte copy (or converted with copy_ when the load dtype differs)
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -84,11 +85,12 @@ def read_index(model_dir: str | Path) -> tuple[dict[str, TensorLoc], str | None]
     index: dict[str, TensorLoc] = {}
     for shard in shards:
         try:
-            header = _header(shard)
-            (n,) = struct.unpack("<Q", shard.open("rb").read(8))
+            with shard.open("rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
         except (OSError, ValueError, struct.error) as e:
             return {}, f"{shard}: unreadable safetensors header ({e})"
-        base = 8 + n
+        base = 8 + n  # data offsets count from the end of the header
         for key, t in header.items():
             if key == "__metadata__":
                 continue
