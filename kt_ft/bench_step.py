@@ -148,21 +148,20 @@ def _peak_rss() -> int:
 def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int):
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from .lora import lora_scaling
     from .models import family_of
-    from .moe.loading import planned_device_map
+    from .moe.loading import load_planned, planned_device_map
     from .moe.patch import replace_routed_experts
     from .rules import load_rules, make_plan, resolve_rule_path
 
     config = AutoConfig.from_pretrained(model_dir)
     family = family_of(config)
     rules = load_rules(resolve_rule_path(family.builtin_rule))
-    device_map = None
-    if device.type == "cuda":
-        device_map, _ = planned_device_map(config, rules, family, backend, threads, str(device))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map=device_map)
+    # routed experts read by kt-ft straight into CPU RAM (one copy), the rest to the device
+    device_map, load_plan = planned_device_map(config, rules, family, backend, threads, str(device))
+    model = load_planned(model_dir, device_map, load_plan, dtype=torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=ATTN))
     plan = make_plan(model, rules, family, backend, threads)
     summary = replace_routed_experts(model, plan, LORA_RANK, lora_scaling(LORA_ALPHA, LORA_RANK), seq, seed=0)

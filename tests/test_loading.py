@@ -42,7 +42,7 @@ def status(key):
 big, small = sys.argv[1], sys.argv[2]
 AutoModelForCausalLM.from_pretrained(small, dtype="auto", device_map={"": "cpu"})  # warm-up
 from kt_ft.models import FAMILIES
-from kt_ft.moe.loading import planned_device_map
+from kt_ft.moe.loading import load_planned, planned_device_map
 from kt_ft.rules import load_rules, resolve_rule_path
 from transformers import AutoConfig
 
@@ -52,7 +52,7 @@ rules = load_rules(resolve_rule_path("qwen3_moe"))
 device_map, plan = planned_device_map(config, rules, FAMILIES["qwen3_moe"], "auto", 1, device)
 Path("/proc/self/clear_refs").write_text("5")
 rss0, anon0, file0 = status("VmRSS:"), status("RssAnon:"), status("RssFile:")
-model = AutoModelForCausalLM.from_pretrained(big, dtype="auto", device_map=device_map)
+model = load_planned(big, device_map, plan, dtype="auto")  # routed experts read by kt-ft
 experts = {e.name for e in plan.experts}
 where = {n: str(p.device) for n, p in model.named_parameters()}
 print(json.dumps({
@@ -148,3 +148,47 @@ def test_llamafactory_refuses_a_rule_before_reading_weights(demo_assets, tmp_pat
         KTConfigError, match=r"gpu.yaml:1: gpu_experts on model.layers.0.mlp.experts: not implemented yet"
     ):
         load_model(tokenizer, model_args, finetuning_args, is_trainable=True)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_streamed_experts_equal_transformers_loading_bitwise(family, tmp_path):
+    """kt-ft's reading of the routed experts (per-expert, Mixtral w1/w3/w2 or fused keys, as
+    ``save_pretrained`` writes each family) gives bitwise transformers' own tensors: fp32 files
+    read as fp32 (byte copy) and as bf16 (one-expert buffer + cast). Every other tensor too."""
+    from transformers import AutoModelForCausalLM
+
+    from kt_ft.moe.loading import load_planned, plan_expert_stream, planned_device_map
+
+    fam = FAMILIES[family]
+    tiny_model(family).save_pretrained(tmp_path)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, device_map={"": "cpu"})
+        rules = load_rules(resolve_rule_path(fam.builtin_rule))
+        dm, plan = planned_device_map(ref.config, rules, fam, "auto", 1, "cpu")
+        assert plan_expert_stream(tmp_path, ref.config, [e.name for e in plan.experts]) is not None
+        got = load_planned(tmp_path, dm, plan, dtype=dtype)
+        want, have = dict(ref.named_parameters()), dict(got.named_parameters())
+        assert want.keys() == have.keys()
+        for name, p in want.items():
+            assert have[name].device.type == "cpu" and have[name].dtype == p.dtype, name
+            assert torch.equal(have[name], p), name
+
+
+def test_unreadable_expert_layout_falls_back_with_the_reason(tmp_path, caplog):
+    """Quantized experts (gpt_oss's MXFP4 ``_blocks``/``_scales`` here) are left to transformers."""
+    from safetensors.torch import save_file
+
+    from kt_ft.moe.expert_files import find_expert_sources
+    from kt_ft.rules.skeleton import meta_model
+
+    model = tiny_model("gpt_oss")
+    name = "model.layers.0.mlp.experts"
+    save_file(
+        {f"{name}.gate_up_proj_blocks": torch.zeros(8, 128, 2, 16, dtype=torch.uint8),
+         f"{name}.gate_up_proj_scales": torch.zeros(8, 128, 2, dtype=torch.uint8)},
+        tmp_path / "model.safetensors",
+    )  # fmt: skip
+    sources, reason = find_expert_sources(tmp_path, meta_model(model.config, torch.bfloat16), [name])
+    assert sources == []
+    assert f"{name} (['{name}.gate_up_proj_blocks', '{name}.gate_up_proj_scales']...)" in reason
+    assert "not a layout kt-ft reads itself" in reason

@@ -56,7 +56,7 @@ def _rule_path(model_args: Any, family) -> Path:
 def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
     """Before any weight is read: plan on a meta skeleton (rule errors stop here), and with CUDA
     load the routed experts straight into CPU RAM and the rest straight to the training GPU."""
-    from ..moe.loading import planned_device_map
+    from ..moe.loading import plan_expert_stream, planned_device_map
 
     family = family_of(config)
     current = init_kwargs.get("device_map")
@@ -67,15 +67,46 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
         config, rules, family, model_args.kt_backend, threads_per_rank(model_args.cpu_infer), training_device
     )
     topo = topology()
-    if single and sharing_enabled(topo.local_world_size) and topo.local_rank != 0:
+    expert_names = [e.name for e in plan.experts]
+    sharing = single and sharing_enabled(topo.local_world_size)
+    if sharing and topo.local_rank != 0:
         # Another rank on this machine loads the experts; this one maps them (shared_weights).
-        init_kwargs["device_map"] = meta_device_map(device_map, [e.name for e in plan.experts])
+        init_kwargs["device_map"] = meta_device_map(device_map, expert_names)
         logger.info(f"local rank {topo.local_rank}: routed experts not read here (shared from local rank 0)")
+        return
+    stream = plan_expert_stream(model_args.model_name_or_path, config, expert_names) if single else None
+    if stream is not None:
+        # transformers loads the rest; kt-ft reads the experts right after (fill_streamed_experts)
+        init_kwargs["device_map"] = stream.device_map(device_map)
+        model_args._kt_ft_expert_stream = stream
+        # several ranks here: local rank 0 reads them straight into the shared mapping (attach_kt)
+        model_args._kt_ft_stream_shared = sharing
+        logger.info(
+            f"loading {len(expert_names)} routed-experts modules ({fmt_bytes(stream.nbytes)} in the files) "
+            f"straight from the files into CPU RAM, the rest to {training_device}"
+        )
     elif single and torch.cuda.is_available() and torch.device(training_device).type == "cuda":
         init_kwargs["device_map"] = device_map
         logger.info(
-            f"loading {len(plan.experts)} routed-experts modules straight into CPU RAM, the rest to {training_device}"
+            f"loading {len(expert_names)} routed-experts modules into CPU RAM, the rest to {training_device}"
         )
+
+
+def take_expert_stream(model_args: Any):
+    """The ExpertStream ``plan_loading`` left to fill (routed experts on ``meta``), once; else None."""
+    stream = getattr(model_args, "_kt_ft_expert_stream", None)
+    model_args._kt_ft_expert_stream = None
+    return stream
+
+
+def fill_streamed_experts(model: Any, model_args: Any) -> None:
+    """Read the routed experts that ``plan_loading`` kept out of ``from_pretrained`` (on ``meta``)
+    into private CPU memory; once. Not where the experts go to a shared mapping (``attach_kt``)."""
+    if getattr(model_args, "_kt_ft_stream_shared", False):
+        return
+    stream = take_expert_stream(model_args)
+    if stream is not None:
+        stream.fill(model)
 
 
 def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: bool) -> None:
@@ -83,6 +114,11 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     family = family_of(model.config)
     rule_path = _rule_path(model_args, family)
     topo = topology()
+    share = topo.local_world_size > 1 and topo.distributed and sharing_enabled(topo.local_world_size)
+    if not share:  # experts still on meta (normally filled before LLaMA-Factory's patch_model)
+        stream = take_expert_stream(model_args)
+        if stream is not None:
+            stream.fill(model)
     threads = threads_per_rank(model_args.cpu_infer, topo)
     plan = make_plan(model, load_rules(rule_path), family, model_args.kt_backend, threads)
     for note in plan.notes:
@@ -92,8 +128,10 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
             f"cpu_infer={model_args.cpu_infer} shared by {topo.local_world_size} ranks on this machine: "
             f"{threads} expert threads per rank"
         )
-        if topo.distributed and sharing_enabled(topo.local_world_size):
-            share_expert_weights(model, [e.name for e in plan.experts], topo.local_rank)
+        if share:
+            stream = take_expert_stream(model_args)
+            fill = _fill_under_peft(model, stream) if stream is not None else None
+            share_expert_weights(model, [e.name for e in plan.experts], topo.local_rank, fill=fill)
 
     adapters = model_args.adapter_name_or_path or []
     if len(adapters) > 1:
@@ -153,6 +191,19 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     )
     if torch.cuda.is_available():
         logger.info(f"GPU memory allocated now: {fmt_bytes(torch.cuda.memory_allocated())}")
+
+
+def _fill_under_peft(model: Any, stream: Any):
+    """``stream.fill`` for the model inside PEFT's wrapper (the stream's names are the loaded
+    model's), taking an allocator that expects the wrapper's names (the shared file's slots)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = next(n for n, m in model.named_modules() if m is base)
+    prefix = f"{inner}." if inner else ""
+
+    def fill(allocate):
+        return stream.fill(base, lambda name, shape, dtype: allocate(prefix + name, shape, dtype))
+
+    return fill
 
 
 def _is_routed_expert_param(name: str, model: Any) -> bool:

@@ -166,6 +166,17 @@ def patch_loader_module(loader: ModuleType) -> None:
 
         plan_loading(config, model_args, init_kwargs)
 
+    original_patch_model = loader.patch_model
+
+    def patch_model(model, tokenizer, model_args, *args, **kwargs):
+        if getattr(model_args, "use_kt", False):
+            from .model import fill_streamed_experts
+
+            # right after from_pretrained, before LLaMA-Factory touches the parameters
+            fill_streamed_experts(model, model_args)
+        return original_patch_model(model, tokenizer, model_args, *args, **kwargs)
+
     loader.init_adapter = init_adapter
     loader.patch_config = patch_config
+    loader.patch_model = patch_model
     loader._kt_ft_patched = True

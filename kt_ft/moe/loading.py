@@ -13,18 +13,33 @@ forward, and meta tensors in their place. kt-ft computes those experts on the CP
 ``KTDeviceMap`` the dispatch is skipped: the model gets no hooks and no ``hf_device_map``, and
 the HF Trainer sees a plain single-device model (``is_model_parallel`` stays False; its
 ``model.to(device)`` leaves ``KTExperts`` on the CPU, see ``KTExperts._apply``).
+
+The routed experts themselves are not read by transformers: its loader would hold them twice in
+RSS at the peak (the file mapping's pages and the fused copy, see ``expert_stream``). Where kt-ft
+can read the checkpoint's expert layout (``expert_files``), the device map puts them on ``meta``
+and ``ExpertStream.fill`` reads them into their one CPU copy right after ``from_pretrained``;
+otherwise transformers loads them (the reason is logged). ``KT_FT_STREAM_EXPERTS=0`` turns the
+streaming off, to compare.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..log import get_logger
 from ..rules.plan import PlacementPlan
+from .expert_files import ParamSource, find_expert_sources
+from .expert_stream import Allocator, fill_routed_experts
 
 logger = get_logger(__name__)
+
+STREAM_ENV = "KT_FT_STREAM_EXPERTS"  # "0": transformers loads the routed experts (for comparison)
 
 
 class KTDeviceMap(dict):
@@ -67,3 +82,62 @@ def planned_device_map(
     plan = make_plan(meta_model(config, torch.bfloat16), rules, family, kt_backend, cpu_infer)
     install_dispatch_guard()
     return device_map_from_plan(plan, training_device), plan
+
+
+@dataclass
+class ExpertStream:
+    """The routed experts of a checkpoint, to be read by kt-ft instead of transformers."""
+
+    model_dir: Path
+    expert_names: list[str]
+    sources: list[ParamSource]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.sources)
+
+    def device_map(self, device_map: dict) -> dict:
+        """``device_map`` with the routed experts on ``meta`` (transformers reads none of them)."""
+        from .shared_weights import meta_device_map
+
+        return meta_device_map(device_map, self.expert_names)
+
+    def fill(self, model: nn.Module, allocate: Allocator | None = None) -> int:
+        """Read the experts into ``model``'s meta parameters (see ``expert_stream``); returns bytes."""
+        return fill_routed_experts(model, self.sources, allocate)
+
+
+def plan_expert_stream(model_dir, config, expert_names: list[str]) -> ExpertStream | None:
+    """An ExpertStream when ``model_dir`` is a local checkpoint whose expert layout kt-ft reads,
+    else None (transformers loads the experts; the reason is logged)."""
+    from ..rules.skeleton import meta_model
+
+    if os.environ.get(STREAM_ENV, "1") == "0":
+        logger.info(f"{STREAM_ENV}=0: transformers loads the routed experts")
+        return None
+    path = Path(str(model_dir))
+    if not path.is_dir():
+        logger.info(f"{model_dir}: not a local directory; transformers loads the routed experts")
+        return None
+    sources, reason = find_expert_sources(path, meta_model(config, torch.bfloat16), expert_names)
+    if reason:
+        logger.warning(f"{reason}; transformers loads the routed experts (peak RSS about two copies of them)")
+        return None
+    return ExpertStream(path, list(expert_names), sources)
+
+
+def load_planned(model_dir, device_map: dict, plan: PlacementPlan, **kwargs) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(model_dir, device_map=device_map, **kwargs)`` with
+    the routed experts of ``plan`` read by kt-ft where it can (scripts and benchmarks; LLaMA-Factory
+    goes through ``kt_ft.llamafactory.model.plan_loading``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    stream = plan_expert_stream(
+        model_dir, AutoConfig.from_pretrained(model_dir), [e.name for e in plan.experts]
+    )
+    if stream is not None:
+        device_map = stream.device_map(device_map)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, device_map=device_map, **kwargs)
+    if stream is not None:
+        stream.fill(model)
+    return model

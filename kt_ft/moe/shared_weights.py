@@ -5,12 +5,13 @@ transformers loads a MoE checkpoint's experts into fused ``gate_up_proj`` [E, 2I
 anonymous (private) memory, so N ranks on one machine would hold N copies. With several ranks
 on a machine, kt-ft instead:
 
-1. loads the model normally on local rank 0 only; the other local ranks load the routed
-   experts on the ``meta`` device (shapes only, nothing read: ``meta_device_map``);
-2. local rank 0 copies each fused tensor into one file ``kt-ft-experts-<run token>.bin`` in
-   a RAM-backed directory (``/dev/shm``, or ``$KT_FT_SHARED_DIR``), mapped ``MAP_SHARED``
-   (``torch.UntypedStorage.from_file(shared=True)``), layer by layer, and points the parameter
-   at the mapping (its private copy is freed);
+1. reads the routed experts on local rank 0 only; the other local ranks load them on the
+   ``meta`` device (shapes only, nothing read: ``meta_device_map``);
+2. local rank 0 creates one file ``kt-ft-experts-<run token>.bin`` in a RAM-backed directory
+   (``/dev/shm``, or ``$KT_FT_SHARED_DIR``), mapped ``MAP_SHARED``
+   (``torch.UntypedStorage.from_file(shared=True)``), and reads each fused tensor straight from
+   the checkpoint into it (``fill``: ``kt_ft.moe.expert_stream``, no private copy), or, where
+   transformers loaded them, copies them in layer by layer and frees its private copy;
 3. every other local rank maps the same file and points its meta parameters at it;
 4. once all have mapped it, local rank 0 unlinks the file: the pages live as long as a
    process maps them and go away with the last one (no leftover in /dev/shm after a crash
@@ -27,6 +28,7 @@ parameters' metadata, identical on every rank, and rank 0's is broadcast and che
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,9 +126,17 @@ def _check_space(directory: Path, size: int) -> None:
         )
 
 
-def share_expert_weights(model: nn.Module, expert_names: list[str], local_rank: int) -> int:
+def share_expert_weights(
+    model: nn.Module,
+    expert_names: list[str],
+    local_rank: int,
+    fill: Callable[[Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]], int] | None = None,
+) -> int:
     """Point every rank's routed-expert base tensors at one shared mapping (see module doc).
 
+    ``fill``: on local rank 0, where its experts are still on ``meta``, reads them straight into
+    the mapping (``ExpertStream.fill`` with an allocator of views of the file: no private copy
+    at all); without it, local rank 0 copies the tensors transformers loaded.
     Collective: every rank of the run calls it, at the same point. Returns the bytes shared.
     """
     from ..distributed import barrier, broadcast_object, new_run_token
@@ -148,11 +158,14 @@ def share_expert_weights(model: nn.Module, expert_names: list[str], local_rank: 
         with open(path, "wb") as f:
             f.truncate(size)
         storage = torch.UntypedStorage.from_file(str(path), True, size)
-        with torch.no_grad():
-            for slot, (_, p) in zip(slots, params):
-                view = _view(storage, slot)
-                view.copy_(p.data)
-                _point_at(model, slot.name, view)  # the loaded private copy is freed here
+        if fill is not None:
+            fill(_slot_allocator(storage, slots))
+        else:
+            with torch.no_grad():
+                for slot, (_, p) in zip(slots, params):
+                    view = _view(storage, slot)
+                    view.copy_(p.data)
+                    _point_at(model, slot.name, view)  # the loaded private copy is freed here
     barrier()  # the file is complete
     if local_rank != 0:
         storage = torch.UntypedStorage.from_file(str(path), True, size)
@@ -167,6 +180,24 @@ def share_expert_weights(model: nn.Module, expert_names: list[str], local_rank: 
         f"from {path} (unlinked; freed with the last process)"
     )
     return size
+
+
+def _slot_allocator(storage: torch.UntypedStorage, slots: list[Slot]):
+    """An ``expert_stream`` allocator: the shared file's view for a base tensor, private memory
+    for anything else of the experts module (e.g. gpt_oss's biases, not in the file)."""
+    by_name = {s.name: s for s in slots}
+
+    def allocate(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        slot = by_name.get(name)
+        if slot is None:
+            return torch.empty(shape, dtype=dtype)
+        if slot.shape != tuple(shape) or slot.dtype != dtype:
+            raise KTConfigError(
+                f"{name}: shared slot {slot.shape} {slot.dtype} != loaded {tuple(shape)} {dtype}"
+            )
+        return _view(storage, slot)
+
+    return allocate
 
 
 def meta_device_map(device_map: dict, expert_names: list[str]) -> dict:
