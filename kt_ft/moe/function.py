@@ -9,6 +9,11 @@ inputs are bit-identical, so the CPU expert forward runs once per layer per step
 (at most ``chunk_size`` tokens per call), and returns the output on the input's device.
 From and to a GPU the copies go through pinned, reused host buffers (``transfer.STAGING``);
 results go back without blocking the host.
+With GPU-resident experts (``resident.py``) the caller first starts the input copies
+(``ExpertRunner.prefetch``), then queues the resident experts' GPU work, then calls this op:
+its wait for the inputs waits for those copies only, so the GPU computes the resident experts
+while the CPU computes the rest. The output is then float32 (``ExpertRunner.out_dtype``) so the
+two parts are summed before the one rounding to the model's dtype.
 Its backward returns the gradients of hidden_states and of the routing weights (so a
 trainable router learns) and of the six expert-LoRA tensors, which autograd accumulates
 into their ``.grad``.
@@ -74,7 +79,25 @@ class ExpertRunner:
         # until this layer's backward, so they cannot share buffers with other layers
         self.key = f"layer{next(_RUNNER_IDS)}"
         self._stash: tuple | None = None
+        # dtype of the op's output on the caller's device; None: the input's (set to the
+        # accumulation dtype when GPU-resident experts add their part to it)
+        self.out_dtype: torch.dtype | None = None
         backend.prepare(base, threads, chunk_size)
+
+    def input_key(self, first_pass: bool) -> str:
+        """Name of the pinned buffers the op's inputs go through: a reentrant recompute (a stash
+        waits) uses shared "recompute" buffers, every other call the layer's own."""
+        return self.key if first_pass or not self.has_stash() else "recompute"
+
+    def prefetch(self, x, ids, weights, first_pass: bool) -> None:
+        """Start the device -> host copies of the op's inputs now (see the module doc); the op's
+        ``inputs_to_cpu`` then only waits for them. No-op on the CPU."""
+        key = self.input_key(first_pass)
+        for t, n in ((x, "x"), (ids, "ids"), (weights, "w")):
+            STAGING.start_to_host(t, f"{key}/{n}")
+
+    def _out(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return STAGING.to_device(out, x.device, self.out_dtype or x.dtype, "out")
 
     def forward_and_stash(self, x, ids, weights, lora: LoraTensors) -> torch.Tensor:
         """First pass of a reentrant-checkpointed layer (grad disabled, training).
@@ -86,7 +109,7 @@ class ExpertRunner:
         x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights, self.key)
         out, saved = self.forward(x_c, ids_c, w_c, lora, needs_grad=True)
         self._stash = (x_c, ids_c, w_c, out, saved)
-        return STAGING.to_device(out, x.device, x.dtype, "out")
+        return self._out(out, x)
 
     def has_stash(self) -> bool:
         return self._stash is not None
@@ -150,7 +173,7 @@ class CPUExpertsFunction(torch.autograd.Function):
         hit = None
         if needs_grad and runner.has_stash():
             # the recompute's inputs go to a shared buffer: the stash still holds this layer's own
-            hit = runner.take_stash(*inputs_to_cpu(x, ids, weights, "recompute"))
+            hit = runner.take_stash(*inputs_to_cpu(x, ids, weights, runner.input_key(False)))
         if hit is None:
             x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights, runner.key)
             hit = runner.forward(x_c, ids_c, w_c, LoraTensors(*lora), needs_grad)
@@ -160,7 +183,7 @@ class CPUExpertsFunction(torch.autograd.Function):
         ctx.x_meta = (x.device, x.dtype)
         ctx.w_meta = (weights.device, weights.dtype)
         ctx.lora_dtypes = [t.dtype for t in lora]
-        return STAGING.to_device(out, x.device, x.dtype, "out")
+        return runner._out(out, x)
 
     @staticmethod
     def backward(ctx, grad_out):
