@@ -158,6 +158,42 @@ def test_resident_pairs_are_not_sent_to_the_cpu(gpu_rule, monkeypatch):
     assert ((ids < 0) | (ids > 2)).all() and (ids < 0).any()  # experts 0-2 of layer 0: masked
 
 
+def test_device_work_is_queued_before_the_cpu_op_blocks(gpu_rule, monkeypatch):
+    """Forward: CPU-op input copies started, resident share queued, then the CPU op; backward: the
+    resident share's backward (which starts the CPU op's gradient copy) before the CPU op's."""
+    import kt_ft.moe.resident as resident_mod
+
+    model = build(gpu_rule)
+    layer = kt_layers(model)[1]
+    calls = []
+
+    def spy(obj, name, tag):
+        orig = getattr(obj, name)
+
+        def wrapped(*a, **k):
+            calls.append(tag)
+            return orig(*a, **k)
+
+        monkeypatch.setattr(obj, name, wrapped)
+
+    spy(layer.runner, "prefetch", "prefetch inputs")
+    spy(layer.resident, "start", "queue resident")
+    spy(layer.runner, "forward", "cpu forward")
+    spy(resident_mod, "prefetch_grad_out", "resident backward")
+    spy(layer.runner, "backward", "cpu backward")
+    ids = batches()[0]
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    # layer 0's resident backward comes after layer 1's CPU backward: keep layer 1's part
+    assert calls[:5] == [
+        "prefetch inputs",
+        "queue resident",
+        "cpu forward",
+        "resident backward",
+        "cpu backward",
+    ]
+
+
 def test_routing_weights_get_gradients_from_both_parts():
     """KTExperts alone, float64: d out / d (x, weights, LoRA) with resident experts equals the
     all-CPU module's, also at the resident slots (the router trains through them)."""
@@ -310,11 +346,17 @@ def test_resident_experts_on_cuda_train_like_all_cpu(gpu_rule, gc):
     cpu_model = build(resolve_rule_path("qwen3_moe-torch")).to("cuda")
     res_model = build(gpu_rule).to("cuda")
     ref = train(cpu_model, batches(), 4, gc, "cuda")
+    from kt_ft.moe.transfer import STAGING
+
+    hits0 = STAGING.prefetch_hits
     got = train(res_model, batches(), 4, gc, "cuda")
     layers = kt_layers(res_model)
     assert all(m.resident.device.type == "cuda" for m in layers)
     assert all(p.device.type == "cpu" for m in layers for p in m.parameters())
     assert [m.runner.forward_calls for m in layers] == [4, 4]
+    # every CPU-op input and incoming gradient copy was started before the resident experts' work
+    # (3 inputs per layer per forward, x2 with checkpointing's recompute, + 1 gradient per backward)
+    assert STAGING.prefetch_hits - hits0 == 4 * 2 * ((3 * 2 if gc else 3) + 1)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
     a, b = expert_lora(res_model), expert_lora(cpu_model)
     for k in a:

@@ -103,24 +103,22 @@ class KTExperts(nn.Module):
         # first pass of a reentrant-checkpointed layer: keep the CPU result for its recompute
         first_pass = not torch.is_grad_enabled() and self.training and any(p.requires_grad for p in lora)
         res = self.resident
-        dev_out = None
         if res is not None:
             res.to_device(hidden_states.device)
             weights = top_k_weights
             local, top_k_index, top_k_weights = res.split(top_k_index, weights)
             # order matters on a GPU: start the CPU op's input copies, then queue the resident
-            # experts' kernels, then block in the CPU op -- the GPU computes meanwhile. (In the
-            # backward autograd runs the CPU op's node first, so there the two parts run one
-            # after the other: not overlapped yet.)
+            # experts' kernels, then block in the CPU op -- the GPU computes meanwhile; the
+            # resident share joins the graph after the CPU op so the backward keeps that order
             self.runner.prefetch(hidden_states, top_k_index, top_k_weights, first_pass)
-            dev_out = res.forward(hidden_states, local, weights, lora, self.scaling)
+            finish = res.start(hidden_states, local, weights, lora, self.scaling)
         if first_pass:
             out = self.runner.forward_and_stash(hidden_states, top_k_index, top_k_weights, lora)
         else:
             out = CPUExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self.runner, *lora)
-        if dev_out is None:
+        if res is None:
             return out
-        return (out + dev_out).to(hidden_states.dtype)
+        return (out + finish()).to(hidden_states.dtype)  # both float32: one rounding
 
     def _apply(self, fn, recurse=True):
         # Pinned to the CPU: device and dtype moves of the whole model skip the routed experts.

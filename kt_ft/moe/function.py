@@ -12,7 +12,7 @@ results go back without blocking the host.
 With GPU-resident experts (``resident.py``) the caller first starts the input copies
 (``ExpertRunner.prefetch``), then queues the resident experts' GPU work, then calls this op:
 its wait for the inputs waits for those copies only, so the GPU computes the resident experts
-while the CPU computes the rest. The output is then float32 (``ExpertRunner.out_dtype``) so the
+while the CPU computes the rest (in the backward too: ``resident.py``). The output is then float32 (``ExpertRunner.out_dtype``) so the
 two parts are summed before the one rounding to the model's dtype.
 Its backward returns the gradients of hidden_states and of the routing weights (so a
 trainable router learns) and of the six expert-LoRA tensors, which autograd accumulates
@@ -32,6 +32,13 @@ from ..kernels.base import ExpertBackend, ExpertWeights, LoraTensors
 from .transfer import STAGING
 
 _RUNNER_IDS = itertools.count()
+GRAD_OUT_KEY = "grad_out"  # pinned buffer of the backward's incoming gradient (read before it returns)
+
+
+def prefetch_grad_out(grad: torch.Tensor) -> None:
+    """Start the device -> host copy of the gradient a CPU op's backward is about to get (the
+    resident experts' backward does this before queuing its own kernels)."""
+    STAGING.start_to_host(grad, GRAD_OUT_KEY)
 
 
 @contextlib.contextmanager
@@ -190,7 +197,7 @@ class CPUExpertsFunction(torch.autograd.Function):
         if ctx.saved is None or any(c is None for c in ctx.saved):
             raise RuntimeError("kt-ft: CPU expert backward called without saved forward state")
         # grad_out's buffer is shared: the backends read it before they return
-        grad_x, grad_w, lora_grads = ctx.runner.backward(ctx.saved, STAGING.to_host(grad_out, "grad_out"))
+        grad_x, grad_w, lora_grads = ctx.runner.backward(ctx.saved, STAGING.to_host(grad_out, GRAD_OUT_KEY))
         dev, dt = ctx.x_meta
         wdev, wdt = ctx.w_meta
         lg = [g.to(d) for g, d in zip(lora_grads, ctx.lora_dtypes)]

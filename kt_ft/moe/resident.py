@@ -22,12 +22,13 @@ reference backend does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..kernels.activation import gated_act
 from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype
+from .function import prefetch_grad_out
 
 
 class ResidentExperts:
@@ -86,32 +87,62 @@ class ResidentExperts:
         resident = local >= 0
         return local, ids.masked_fill(resident, -1), weights.masked_fill(resident, 0)
 
-    def forward(
+    def start(
         self, x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, lora: LoraTensors, scaling: float
-    ) -> torch.Tensor:
-        """Resident experts' share of the layer output: x [T, H], local [T, k] (from ``split``),
-        weights [T, k], the layer's full CPU LoRA -> [T, H] in float32 (float64 for float64 x) on
-        x's device, differentiable w.r.t. x, weights and lora.
+    ) -> Callable[[], torch.Tensor]:
+        """Queue the resident experts' share of the layer output; returns ``finish``, to be called
+        after the CPU op, which gives that share attached to the autograd graph.
 
-        One host sync (the per-expert pair counts), before any product is queued; the products
-        are then queued without waiting, so a GPU computes them while the caller runs the CPU op.
+        x [T, H], local [T, k] (from ``split``), weights [T, k], the layer's full CPU LoRA ->
+        ``finish()`` [T, H] float32 (float64 for float64 weights) on x's device, differentiable
+        w.r.t. x, weights and lora.
+
+        Why two steps: the share is computed here on a graph of its own (``_ResidentShare``), and
+        ``finish`` attaches it to the model's graph *after* the CPU op. Autograd runs the most
+        recently created node first, so in the backward the resident experts' kernels are queued
+        before the CPU op's backward blocks (and the CPU op's incoming gradient copy is started
+        before them): the GPU computes while the CPU does, both ways. One host sync (the
+        per-expert pair counts) comes before any product is queued.
         """
-        t, k = local.shape
-        n = len(self.ids)
-        dt = self.weights.gate_up.dtype
-        out = torch.zeros(t, x.shape[1], dtype=accum_dtype(dt), device=x.device)
-        flat = local.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # non-resident pairs (-1) first, then by expert
-        counts = torch.bincount(flat + 1, minlength=n + 1).tolist()  # the one host sync
+        counts, order = self._route(local)
         if sum(counts[1:]) == 0:
-            return out
-        # this layer's LoRA rows of the resident experts, on the device; autograd copies their
+            zeros = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(self.dtype), device=x.device)
+            return lambda: zeros
+        # this layer's LoRA rows of the resident experts on the device; autograd copies their
         # gradients back into the CPU parameters
-        lo = LoraTensors(*(p.index_select(0, self._ids_cpu).to(x.device).to(dt) for p in lora))
+        lo = [p.index_select(0, self._ids_cpu).to(x.device) for p in lora]
+        inputs = (x, weights, *lo)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+            out = self._compute(x, weights, LoraTensors(*lo), scaling, counts, order, local.shape[1])
+            return lambda: out
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        with torch.enable_grad():
+            out = self._compute(
+                leaves[0], leaves[1], LoraTensors(*leaves[2:]), scaling, counts, order, local.shape[1]
+            )
+        return lambda: _ResidentShare.apply((out, leaves), *inputs)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._cpu_base.gate_up.dtype
+
+    def _route(self, local: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """(counts: [pairs computed elsewhere, pairs of resident expert 0, 1, ...], order [T*k]: flat
+        pair indices sorted by resident index, the others (-1) first)."""
+        flat = local.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat + 1, minlength=len(self.ids) + 1).tolist()  # the one host sync
+        return counts, order
+
+    def _compute(self, x, weights, lo: LoraTensors, scaling: float, counts: list[int], order, k: int):
+        """The formula of the module doc for every resident expert with pairs -> [T, H] accum dtype."""
+        dt = self.dtype
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(dt), device=x.device)
+        lo = LoraTensors(*(t.to(dt) for t in lo))
         w_flat = weights.reshape(-1)
         xd = x.to(dt)
         off = counts[0]
-        for j in range(n):
+        for j in range(len(self.ids)):
             c = counts[j + 1]
             if c == 0:
                 continue
@@ -131,6 +162,30 @@ class ResidentExperts:
             w = w_flat.index_select(0, pairs).to(out.dtype)
             out = out.index_add(0, tok, d.to(out.dtype) * w[:, None])
         return out
+
+
+class _ResidentShare(torch.autograd.Function):
+    """apply((out, leaves), x, weights, *lora slices) -> out: attaches the resident share, computed
+    on its own graph from ``leaves`` (detached copies of the inputs), to the model's graph."""
+
+    @staticmethod
+    def forward(ctx, inner, *inputs):
+        out, leaves = inner
+        ctx.inner = inner
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, leaves = ctx.inner
+        prefetch_grad_out(grad)  # the CPU op's backward (next) gets the same gradient
+        want = [t for t in leaves if t.requires_grad]
+        # retain_graph: the outer graph may be backwarded more than once (retain_graph=True)
+        got = iter(torch.autograd.grad(out, want, grad.to(out.dtype), allow_unused=True, retain_graph=True))
+        grads = []
+        for t in leaves:
+            g = next(got) if t.requires_grad else None
+            grads.append(torch.zeros_like(t) if g is None and t.requires_grad else g)
+        return None, *grads
 
 
 def pick_resident_ids(

@@ -23,6 +23,7 @@ class PinnedStaging:
         self._busy: dict[str, torch.cuda.Event] = {}
         # key -> (event, signature of the source) of a device -> host copy started by start_to_host
         self._pending: dict[str, tuple[torch.cuda.Event, tuple]] = {}
+        self.prefetch_hits = 0  # to_host calls served by a start_to_host copy (a GPU test counts them)
 
     @staticmethod
     def _signature(t: torch.Tensor) -> tuple:
@@ -63,6 +64,7 @@ class PinnedStaging:
         pending = self._pending.pop(key, None)
         if pending is not None and pending[1] == self._signature(t):
             pending[0].synchronize()  # the copy start_to_host queued, not the work queued after it
+            self.prefetch_hits += 1
             return self._bufs[key][: t.numel()].view(t.shape)
         buf = self.buffer(key, t.shape, t.dtype)  # (a stale pending copy is ordered before this one)
         buf.copy_(t.detach(), non_blocking=True)
