@@ -194,17 +194,22 @@ def test_device_work_is_queued_before_the_cpu_op_blocks(gpu_rule, monkeypatch):
     ]
 
 
-def test_routing_weights_get_gradients_from_both_parts():
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_routing_weights_get_gradients_from_both_parts(family):
     """KTExperts alone, float64: d out / d (x, weights, LoRA) with resident experts equals the
-    all-CPU module's, also at the resident slots (the router trains through them)."""
-    torch.manual_seed(0)
-    hf = tiny_model().model.layers[0].mlp.experts.double()
+    all-CPU module's (torch backend), also at the resident slots (the router trains through them);
+    gpt_oss: transposed, interleaved, biased, clamped experts (resident.py reads the spec). Bound:
+    1e-10 relative / 1e-12 absolute (float64, different summation order)."""
     from kt_ft.kernels.grouped import GroupedTorchBackend
+    from kt_ft.models import expert_spec
 
+    torch.manual_seed(0)
+    hf = tiny_model(family).model.layers[0].mlp.experts.double()
+    spec = expert_spec(FAMILIES[family], hf)
     mods = [
         KTExperts(
             hf, 0, RANK, 2.0, GroupedTorchBackend(), 4096, None, torch.float64, torch.Generator().manual_seed(1),
-            resident_ids=ids,
+            spec=spec, resident_ids=ids,
         )
         for ids in ((), (2, 5))
     ]  # fmt: skip
