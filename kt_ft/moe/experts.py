@@ -110,7 +110,10 @@ class KTExperts(nn.Module):
             # order matters on a GPU: start the CPU op's input copies, then queue the resident
             # experts' kernels, then block in the CPU op -- the GPU computes meanwhile; the
             # resident share joins the graph after the CPU op so the backward keeps that order
-            self.runner.prefetch(hidden_states, top_k_index, top_k_weights, first_pass)
+            needs_grad = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (hidden_states, top_k_weights, *lora)
+            )  # what CPUExpertsFunction will see (ctx.needs_input_grad)
+            self.runner.prefetch(hidden_states, top_k_index, top_k_weights, first_pass, needs_grad)
             finish = res.start(hidden_states, local, weights, lora, self.scaling)
         if first_pass:
             out = self.runner.forward_and_stash(hidden_states, top_k_index, top_k_weights, lora)

@@ -12,8 +12,9 @@ results go back without blocking the host.
 With GPU-resident experts (``resident.py``) the caller first starts the input copies
 (``ExpertRunner.prefetch``), then queues the resident experts' GPU work, then calls this op:
 its wait for the inputs waits for those copies only, so the GPU computes the resident experts
-while the CPU computes the rest (in the backward too: ``resident.py``). The output is then float32 (``ExpertRunner.out_dtype``) so the
-two parts are summed before the one rounding to the model's dtype.
+while the CPU computes the rest (in the backward too: ``resident.py``). The output is then
+float32 (``ExpertRunner.out_dtype``) so the two parts are summed before the one rounding to the
+model's dtype.
 Its backward returns the gradients of hidden_states and of the routing weights (so a
 trainable router learns) and of the six expert-LoRA tensors, which autograd accumulates
 into their ``.grad``.
@@ -91,15 +92,17 @@ class ExpertRunner:
         self.out_dtype: torch.dtype | None = None
         backend.prepare(base, threads, chunk_size)
 
-    def input_key(self, first_pass: bool) -> str:
-        """Name of the pinned buffers the op's inputs go through: a reentrant recompute (a stash
-        waits) uses shared "recompute" buffers, every other call the layer's own."""
-        return self.key if first_pass or not self.has_stash() else "recompute"
+    def input_key(self, first_pass: bool, needs_grad: bool) -> str:
+        """Name of the pinned buffers the op's inputs go through: a reentrant recompute (a call
+        that needs grad while a stash waits) uses shared "recompute" buffers, every other call
+        (the stashing first pass included) the layer's own."""
+        return "recompute" if not first_pass and needs_grad and self.has_stash() else self.key
 
-    def prefetch(self, x, ids, weights, first_pass: bool) -> None:
-        """Start the device -> host copies of the op's inputs now (see the module doc); the op's
+    def prefetch(self, x, ids, weights, first_pass: bool, needs_grad: bool) -> None:
+        """Start the device -> host copies of the op's inputs now (see the module doc) into the
+        buffers the op will use (``input_key``: ``needs_grad`` as the op will see it); its
         ``inputs_to_cpu`` then only waits for them. No-op on the CPU."""
-        key = self.input_key(first_pass)
+        key = self.input_key(first_pass, needs_grad)
         for t, n in ((x, "x"), (ids, "ids"), (weights, "w")):
             STAGING.start_to_host(t, f"{key}/{n}")
 
@@ -180,7 +183,7 @@ class CPUExpertsFunction(torch.autograd.Function):
         hit = None
         if needs_grad and runner.has_stash():
             # the recompute's inputs go to a shared buffer: the stash still holds this layer's own
-            hit = runner.take_stash(*inputs_to_cpu(x, ids, weights, runner.input_key(False)))
+            hit = runner.take_stash(*inputs_to_cpu(x, ids, weights, runner.input_key(False, True)))
         if hit is None:
             x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights, runner.key)
             hit = runner.forward(x_c, ids_c, w_c, LoraTensors(*lora), needs_grad)
