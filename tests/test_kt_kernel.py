@@ -52,3 +52,18 @@ def test_kt_kernel_chunks_and_lora_updates(rng):
             for p in params:
                 p.add_(torch.randn_like(p) * 0.05)
                 p.grad = None
+
+
+def test_kt_kernel_skips_masked_pairs(rng):
+    """GPU-resident experts' pairs reach the CPU op with id -1 and weight 0 (kt_ft/moe/resident.py):
+    kt-kernel must skip them -- an assumption from its inference path, checked here. Against the
+    float64 reference with those pairs' weights zeroed; their routing-weight grad must be 0."""
+    base, lora, x, ids, w, gy = make_problem(37, 8, 2, 256, 128, 8, torch.bfloat16, rng)
+    masked = ids < 3  # experts 0-2 "resident"
+    ids_m, w_m = ids.masked_fill(masked, -1), w.masked_fill(masked, 0)
+    got = run_backend("kt-kernel", base, lora, x, ids_m, w_m, gy, 2.0)
+    truth = truth_of(base, lora, x, ids, w_m, gy, 2.0)
+    assert (got["grad_weights"][masked] == 0).all()
+    got["grad_weights"] = got["grad_weights"].masked_fill(masked, 0)
+    truth["grad_weights"] = truth["grad_weights"].masked_fill(masked, 0)
+    assert_close(truth, got, 6e-2)

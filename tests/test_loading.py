@@ -131,7 +131,7 @@ def test_llamafactory_refuses_a_rule_before_reading_weights(demo_assets, tmp_pat
     from kt_ft.errors import KTConfigError
 
     rule = tmp_path / "gpu.yaml"
-    rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, gpu_experts: 2}\n")
+    rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, gpu_experts: 9}\n")  # of 8
     args = dict(
         model_name_or_path=str(demo_assets / "model"), stage="sft", do_train=True, finetuning_type="lora",
         lora_target="all", dataset_dir=str(demo_assets / "data"), dataset="kt_demo", template="qwen",
@@ -145,7 +145,7 @@ def test_llamafactory_refuses_a_rule_before_reading_weights(demo_assets, tmp_pat
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
     with pytest.raises(
-        KTConfigError, match=r"gpu.yaml:1: gpu_experts on model.layers.0.mlp.experts: not implemented yet"
+        KTConfigError, match=r"gpu.yaml:1: gpu_experts: count 9 > the 8 experts of model.layers.0.mlp.experts"
     ):
         load_model(tokenizer, model_args, finetuning_args, is_trainable=True)
 

@@ -309,7 +309,7 @@ def test_gpu_experts_forms():
             parse_gpu_experts(bad)
 
 
-def test_gpu_experts_are_planned_but_refused_for_a_run(tmp_path):
+def test_gpu_experts_are_planned_for_a_run(tmp_path):
     p = rule_file(
         tmp_path,
         "gpu.yaml",
@@ -318,13 +318,16 @@ def test_gpu_experts_are_planned_but_refused_for_a_run(tmp_path):
         "    device: cpu\n"
         "    gpu_experts: {layers: 1, ids: [0, 5]}\n",
     )
-    with pytest.raises(
-        KTConfigError, match=r"gpu.yaml:1: gpu_experts on model.layers.1.mlp.experts: not implemented yet"
-    ):
-        plan_of(p)
-    plan = plan_of(p, planning_only=True)
+    plan = plan_of(p)  # a run accepts it (moe/resident.py computes them)
     assert [(e.layer, e.gpu_experts and e.gpu_experts.ids) for e in plan.experts] == [(0, None), (1, (0, 5))]
-    assert len(plan.refusals) == 1
+    assert plan.refusals == []
+    too_many = rule_file(
+        tmp_path, "many.yaml", "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, gpu_experts: 9}\n"
+    )
+    with pytest.raises(
+        KTConfigError, match=r"many.yaml:1: gpu_experts: count 9 > the 8 experts .*valid: 0-8"
+    ):
+        plan_of(too_many)
     bad = rule_file(
         tmp_path,
         "bad.yaml",

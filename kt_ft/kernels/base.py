@@ -8,6 +8,10 @@ Shapes (E experts, H hidden, I expert intermediate, r LoRA rank, T tokens, k exp
   [E, I, r], ``down_a`` [E, r, I], ``down_b`` [E, H, r];
 * per call: ``x`` [T, H], ``ids`` [T, k] int64, ``weights`` [T, k] (routing weights).
 
+Masked pairs: a (token, slot) with a negative id (-1) is computed elsewhere (by a GPU-resident
+expert, ``moe/resident.py``); every backend skips it: it adds nothing to the output and gets
+zero gradient for x, its routing weight and the LoRA (the caller zeroes its weight too).
+
 For expert e and its tokens x, with s = lora_alpha / r:
 g = x Wg^T + s (x Ag^T) Bg^T, u = x Wu^T + s (x Au^T) Bu^T, h = silu(g) * u,
 d = h Wd^T + s (h Ad^T) Bd^T, out_t = sum_k w_tk d_tk.

@@ -110,26 +110,44 @@ def _expert_slices(counts: list[int]):
 def _route(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
     """Sort the T*k (token, slot) pairs by expert, each expert's rows padded to ROW_PAD.
 
+    Pairs with a negative id are *masked* (computed elsewhere, e.g. by GPU-resident experts):
+    they get no row of their own; all of them point at one extra "null" row after the experts'
+    rows, which no expert product writes and which the caller zeroes (``_zero_null_rows``), so
+    they add nothing to the output and get zero input, routing-weight and LoRA gradients.
+
     Returns (tok [N] token per row, inv [T*k] row of each flat pair, ws [N, 1] routing
-    weight per row with 0 on padding rows, counts: padded rows per expert).
+    weight per row with 0 on padding rows, counts: padded rows per expert); N = sum(counts),
+    plus 1 (the null row, last) when some pair is masked.
     """
     flat = ids.reshape(-1)
     n = flat.numel()
+    keep = None
+    if bool((flat < 0).any()):
+        keep = torch.nonzero(flat >= 0).squeeze(1)  # flat indices of the pairs computed here
+        flat = flat[keep]
+    m = flat.numel()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
     padded = (counts + ROW_PAD - 1) // ROW_PAD * ROW_PAD
     start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
     start_pad = torch.cumsum(padded, 0) - padded  # first row of each expert
     expert = flat[order]
-    row = start_pad[expert] + torch.arange(n) - start[expert]  # row of each sorted pair
-    n_rows = int(padded.sum())
+    row = start_pad[expert] + torch.arange(m) - start[expert]  # row of each sorted pair
+    if keep is not None:
+        order = keep[order]  # back to indices among all T*k pairs
+    n_rows = int(padded.sum()) + (keep is not None)
     tok = torch.zeros(n_rows, dtype=torch.long)
     tok[row] = torch.div(order, ids.shape[1], rounding_mode="floor")
     ws = torch.zeros(n_rows, 1, dtype=weights.dtype)
     ws[row, 0] = weights.reshape(-1)[order]
-    inv = torch.empty(n, dtype=torch.long)
+    inv = torch.full((n,), n_rows - 1, dtype=torch.long)  # masked pairs: the null row
     inv[order] = row
     return tok, inv, ws, padded.tolist()
+
+
+def _zero_null_rows(t: torch.Tensor, counts: list[int]) -> None:
+    """Zero the rows past the experts' rows (the null row of masked pairs, if any)."""
+    t[sum(counts) :] = 0
 
 
 def _block_diag_b(gate_b: torch.Tensor, up_b: torch.Tensor) -> torch.Tensor:
@@ -203,6 +221,7 @@ class GroupedTorchBackend(ExpertBackend):
             d[sl] = torch.mm(h[sl], base.down[e].t())  # out= takes a 2.5x slower path here
         d.add_(lo, alpha=s)
         del lo, h
+        _zero_null_rows(d, counts)
 
         # out_t = sum_k w_tk d_tk: back to token order, then [T,1,k] @ [T,k,H] (fp32 accumulation)
         d_tok = d.index_select(0, inv).view(t, k, hidden)
@@ -281,6 +300,8 @@ class GroupedTorchBackend(ExpertBackend):
             torch.mm(dgu[sl], base.gate_up[e], out=dxs[sl])
         dxs.add_(lo)
         del lo
+        _zero_null_rows(dxs, ctx.counts)
+        _zero_null_rows(grad_ws, ctx.counts)
 
         # experts without tokens got no product: their LoRA grads are zero
         empty = [e for e, n in enumerate(ctx.counts) if n == 0]

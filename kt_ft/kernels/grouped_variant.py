@@ -28,7 +28,7 @@ import torch
 
 from .activation import gated_act, gated_act_backward
 from .base import ExpertWeights, LoraTensors, accum_dtype
-from .grouped import _expert_slices, _route
+from .grouped import _expert_slices, _route, _zero_null_rows
 
 
 @dataclass
@@ -122,6 +122,7 @@ def variant_forward(
     d.add_(lo, alpha=s)
     del lo, h
     _add_row_bias(d, base.down_bias, counts)
+    _zero_null_rows(d, counts)  # masked pairs (negative ids) point there
 
     # out_t = sum_k w_tk d_tk: back to token order, then [T,1,k] @ [T,k,H]
     out = torch.bmm(weights.to(dt).view(t, 1, k), d.index_select(0, inv).view(t, k, hidden)).view(t, hidden)
@@ -192,6 +193,8 @@ def variant_backward(ctx: VariantCtx, grad_out: torch.Tensor):
         torch.mm(dgu[sl], _w_gate_up(base, e).t(), out=dxs[sl])
     dxs.add_(lo)
     del lo
+    _zero_null_rows(dxs, counts)
+    _zero_null_rows(grad_ws, counts)
 
     # experts without tokens got no product: their LoRA grads are zero
     empty = [e for e, n in enumerate(counts) if n == 0]

@@ -166,8 +166,15 @@ class KTKernelBackend(ExpertBackend):
         for g in self._grads:
             g.zero_()
         grad_x, grad_w = self._wrapper.backward(grad_out.to(BF16).contiguous())
+        grad_w = grad_w.float().view(ctx.weights.shape)
+        if bool((ctx.ids < 0).any()):
+            # masked pairs (GPU-resident experts, id -1, weight 0): UNTESTED with kt-kernel (its AMX
+            # build cannot run on the CPU-only CI). kt-kernel's own inference path marks skipped slots
+            # with -1 (experts_base.py); that its SFT kernel skips them too is assumed, not checked:
+            # the GPU machine's test_kt_kernel.py must check it before gpu_experts is used with it.
+            grad_w = grad_w.masked_fill(ctx.ids < 0, 0)
         return (
             grad_x.float(),
-            grad_w.float().view(ctx.weights.shape),
+            grad_w,
             LoraTensors(*(g.float() for g in self._grads)),
         )

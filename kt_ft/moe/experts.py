@@ -10,7 +10,9 @@ fused layout (per-projection shapes whatever the base layout). Its parameter nam
 ``lora_`` so PEFT never saves, loads or freezes them: kt-ft owns them.
 
 The module is pinned to the CPU: ``.to(cuda)`` / ``.cuda()`` on the whole model (as the HF
-Trainer does) leaves it where it is, so the routed experts never reach the GPU.
+Trainer does) leaves it where it is, so the routed experts never reach the GPU -- except the
+rule's ``gpu_experts``, whose base weights ``resident.py`` copies once to the training device
+(plain attributes, not parameters or buffers) and computes there.
 """
 
 from __future__ import annotations
@@ -18,9 +20,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.base import DEFAULT_SPEC, LORA_NAMES, ExpertBackend, ExpertSpec, ExpertWeights, LoraTensors
+from ..kernels.base import (
+    DEFAULT_SPEC,
+    LORA_NAMES,
+    ExpertBackend,
+    ExpertSpec,
+    ExpertWeights,
+    LoraTensors,
+    accum_dtype,
+)
 from ..lora.fused import init_expert_lora
 from .function import CPUExpertsFunction, ExpertRunner
+from .resident import ResidentExperts
 
 CPU = torch.device("cpu")
 
@@ -44,7 +55,11 @@ class KTExperts(nn.Module):
         lora_dtype: torch.dtype = torch.float32,
         generator: torch.Generator | None = None,
         spec: ExpertSpec = DEFAULT_SPEC,
+        resident_ids: tuple[int, ...] = (),
+        resident_device: torch.device | None = None,
     ) -> None:
+        """``resident_ids``: experts computed on the training device (``resident.py``), copied there
+        at the first forward (to hidden_states' device), or at once to ``resident_device`` if given."""
         super().__init__()
         names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
         for name in names:  # HF's frozen parameters, kept under their names (biases: gpt_oss only)
@@ -70,6 +85,11 @@ class KTExperts(nn.Module):
         ).items():
             setattr(self, name, nn.Parameter(t))
         self.runner = ExpertRunner(backend, base, scaling, chunk_size, threads)
+        self.resident = ResidentExperts(base, resident_ids) if resident_ids else None
+        if self.resident is not None:
+            self.runner.out_dtype = accum_dtype(base.gate_up.dtype)  # summed with the device part
+            if resident_device is not None:
+                self.resident.to_device(resident_device)
 
     def lora_tensors(self) -> LoraTensors:
         return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
@@ -80,10 +100,28 @@ class KTExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         lora = self.lora_tensors()
-        if not torch.is_grad_enabled() and self.training and any(p.requires_grad for p in lora):
-            # first pass of a reentrant-checkpointed layer: keep the result for its recompute
-            return self.runner.forward_and_stash(hidden_states, top_k_index, top_k_weights, lora)
-        return CPUExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self.runner, *lora)
+        # first pass of a reentrant-checkpointed layer: keep the CPU result for its recompute
+        first_pass = not torch.is_grad_enabled() and self.training and any(p.requires_grad for p in lora)
+        res = self.resident
+        if res is not None:
+            res.to_device(hidden_states.device)
+            weights = top_k_weights
+            local, top_k_index, top_k_weights = res.split(top_k_index, weights)
+            # order matters on a GPU: start the CPU op's input copies, then queue the resident
+            # experts' kernels, then block in the CPU op -- the GPU computes meanwhile; the
+            # resident share joins the graph after the CPU op so the backward keeps that order
+            needs_grad = torch.is_grad_enabled() and any(
+                t.requires_grad for t in (hidden_states, top_k_weights, *lora)
+            )  # what CPUExpertsFunction will see (ctx.needs_input_grad)
+            self.runner.prefetch(hidden_states, top_k_index, top_k_weights, first_pass, needs_grad)
+            finish = res.start(hidden_states, local, weights, lora, self.scaling)
+        if first_pass:
+            out = self.runner.forward_and_stash(hidden_states, top_k_index, top_k_weights, lora)
+        else:
+            out = CPUExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self.runner, *lora)
+        if res is None:
+            return out
+        return (out + finish()).to(hidden_states.dtype)  # both float32: one rounding
 
     def _apply(self, fn, recurse=True):
         # Pinned to the CPU: device and dtype moves of the whole model skip the routed experts.
@@ -95,4 +133,5 @@ class KTExperts(nn.Module):
             f"intermediate={self.intermediate_dim}, rank={self.rank}, scaling={self.scaling:g}, "
             f"{'' if self.spec.is_default else f'experts={self.spec.describe()}, '}"
             f"backend={self.runner.backend.name}, threads={self.runner.threads}, device=cpu"
+            + (f", resident={list(self.resident.ids)}" if self.resident is not None else "")
         )

@@ -9,6 +9,12 @@ inputs are bit-identical, so the CPU expert forward runs once per layer per step
 (at most ``chunk_size`` tokens per call), and returns the output on the input's device.
 From and to a GPU the copies go through pinned, reused host buffers (``transfer.STAGING``);
 results go back without blocking the host.
+With GPU-resident experts (``resident.py``) the caller first starts the input copies
+(``ExpertRunner.prefetch``), then queues the resident experts' GPU work, then calls this op:
+its wait for the inputs waits for those copies only, so the GPU computes the resident experts
+while the CPU computes the rest (in the backward too: ``resident.py``). The output is then
+float32 (``ExpertRunner.out_dtype``) so the two parts are summed before the one rounding to the
+model's dtype.
 Its backward returns the gradients of hidden_states and of the routing weights (so a
 trainable router learns) and of the six expert-LoRA tensors, which autograd accumulates
 into their ``.grad``.
@@ -27,6 +33,13 @@ from ..kernels.base import ExpertBackend, ExpertWeights, LoraTensors
 from .transfer import STAGING
 
 _RUNNER_IDS = itertools.count()
+GRAD_OUT_KEY = "grad_out"  # pinned buffer of the backward's incoming gradient (read before it returns)
+
+
+def prefetch_grad_out(grad: torch.Tensor) -> None:
+    """Start the device -> host copy of the gradient a CPU op's backward is about to get (the
+    resident experts' backward does this before queuing its own kernels)."""
+    STAGING.start_to_host(grad, GRAD_OUT_KEY)
 
 
 @contextlib.contextmanager
@@ -74,7 +87,27 @@ class ExpertRunner:
         # until this layer's backward, so they cannot share buffers with other layers
         self.key = f"layer{next(_RUNNER_IDS)}"
         self._stash: tuple | None = None
+        # dtype of the op's output on the caller's device; None: the input's (set to the
+        # accumulation dtype when GPU-resident experts add their part to it)
+        self.out_dtype: torch.dtype | None = None
         backend.prepare(base, threads, chunk_size)
+
+    def input_key(self, first_pass: bool, needs_grad: bool) -> str:
+        """Name of the pinned buffers the op's inputs go through: a reentrant recompute (a call
+        that needs grad while a stash waits) uses shared "recompute" buffers, every other call
+        (the stashing first pass included) the layer's own."""
+        return "recompute" if not first_pass and needs_grad and self.has_stash() else self.key
+
+    def prefetch(self, x, ids, weights, first_pass: bool, needs_grad: bool) -> None:
+        """Start the device -> host copies of the op's inputs now (see the module doc) into the
+        buffers the op will use (``input_key``: ``needs_grad`` as the op will see it); its
+        ``inputs_to_cpu`` then only waits for them. No-op on the CPU."""
+        key = self.input_key(first_pass, needs_grad)
+        for t, n in ((x, "x"), (ids, "ids"), (weights, "w")):
+            STAGING.start_to_host(t, f"{key}/{n}")
+
+    def _out(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return STAGING.to_device(out, x.device, self.out_dtype or x.dtype, "out")
 
     def forward_and_stash(self, x, ids, weights, lora: LoraTensors) -> torch.Tensor:
         """First pass of a reentrant-checkpointed layer (grad disabled, training).
@@ -86,7 +119,7 @@ class ExpertRunner:
         x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights, self.key)
         out, saved = self.forward(x_c, ids_c, w_c, lora, needs_grad=True)
         self._stash = (x_c, ids_c, w_c, out, saved)
-        return STAGING.to_device(out, x.device, x.dtype, "out")
+        return self._out(out, x)
 
     def has_stash(self) -> bool:
         return self._stash is not None
@@ -150,7 +183,7 @@ class CPUExpertsFunction(torch.autograd.Function):
         hit = None
         if needs_grad and runner.has_stash():
             # the recompute's inputs go to a shared buffer: the stash still holds this layer's own
-            hit = runner.take_stash(*inputs_to_cpu(x, ids, weights, "recompute"))
+            hit = runner.take_stash(*inputs_to_cpu(x, ids, weights, runner.input_key(False, True)))
         if hit is None:
             x_c, ids_c, w_c = inputs_to_cpu(x, ids, weights, runner.key)
             hit = runner.forward(x_c, ids_c, w_c, LoraTensors(*lora), needs_grad)
@@ -160,14 +193,14 @@ class CPUExpertsFunction(torch.autograd.Function):
         ctx.x_meta = (x.device, x.dtype)
         ctx.w_meta = (weights.device, weights.dtype)
         ctx.lora_dtypes = [t.dtype for t in lora]
-        return STAGING.to_device(out, x.device, x.dtype, "out")
+        return runner._out(out, x)
 
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.saved is None or any(c is None for c in ctx.saved):
             raise RuntimeError("kt-ft: CPU expert backward called without saved forward state")
         # grad_out's buffer is shared: the backends read it before they return
-        grad_x, grad_w, lora_grads = ctx.runner.backward(ctx.saved, STAGING.to_host(grad_out, "grad_out"))
+        grad_x, grad_w, lora_grads = ctx.runner.backward(ctx.saved, STAGING.to_host(grad_out, GRAD_OUT_KEY))
         dev, dt = ctx.x_meta
         wdev, wdt = ctx.w_meta
         lg = [g.to(d) for g, d in zip(lora_grads, ctx.lora_dtypes)]

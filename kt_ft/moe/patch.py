@@ -12,6 +12,7 @@ from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
 from ..rules.plan import PlacementPlan
 from .experts import KTExperts
+from .resident import pick_resident_ids
 
 logger = get_logger(__name__)
 
@@ -26,13 +27,21 @@ class KTSummary:
     lora_params: int
     expert_bytes: int  # frozen routed-expert weights held in CPU RAM
     default_device: torch.device
+    resident: dict[int, tuple[int, ...]] | None = None  # layer -> experts computed on the training device
 
     def line(self) -> str:
         return (
             f"{self.num_experts} experts x {len(self.layers)} MoE layers on cpu via backend {self.backend} "
             f"({self.backend_reason}) with {self.threads} threads; the rest on {self.default_device}; "
             f"expert-LoRA params {self.lora_params:,}; routed-expert weights {fmt_bytes(self.expert_bytes)} in RAM"
+            + (f"; GPU-resident experts {self._resident_text()}" if self.resident else "")
         )
+
+    def _resident_text(self) -> str:
+        by_ids: dict[tuple[int, ...], list[int]] = {}
+        for layer, ids in self.resident.items():
+            by_ids.setdefault(ids, []).append(layer)
+        return ", ".join(f"layers {layers} ids {list(ids)}" for ids, layers in by_ids.items())
 
 
 def replace_routed_experts(
@@ -49,6 +58,7 @@ def replace_routed_experts(
     """
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     backends: dict[str, tuple] = {}
+    resident: dict[int, tuple[int, ...]] = {}
     lora_params = expert_bytes = 0
     num_experts = 0
     peft_wrapped = False
@@ -71,8 +81,22 @@ def replace_routed_experts(
             backends[key] = select_backend(place.backend, hf.gate_up_proj.dtype, spec)
         proto, reason = backends[key]
         backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
+        gpu = place.gpu_experts
+        # a count takes the first ids: no routing counts exist before training (README: gpu_experts)
+        ids = pick_resident_ids(hf.gate_up_proj.shape[0], gpu.ids, gpu.count) if gpu is not None else ()
+        if ids:
+            resident[place.layer] = ids
         kt = KTExperts(
-            hf, place.layer, rank, scaling, backend, chunk_size, place.threads, generator=gen, spec=spec
+            hf,
+            place.layer,
+            rank,
+            scaling,
+            backend,
+            chunk_size,
+            place.threads,
+            generator=gen,
+            spec=spec,
+            resident_ids=ids,
         )
         setattr(parent, child, kt)
         num_experts = kt.num_experts
@@ -90,4 +114,5 @@ def replace_routed_experts(
         lora_params,
         expert_bytes,
         plan.default_device,
+        resident,
     )

@@ -21,6 +21,26 @@ class PinnedStaging:
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
         self._busy: dict[str, torch.cuda.Event] = {}
+        # key -> (event, signature of the source) of a device -> host copy started by start_to_host
+        self._pending: dict[str, tuple[torch.cuda.Event, tuple]] = {}
+        self.prefetch_hits = 0  # to_host calls served by a start_to_host copy (a GPU test counts them)
+
+    @staticmethod
+    def _signature(t: torch.Tensor) -> tuple:
+        return (t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype, t.device)
+
+    def start_to_host(self, t: torch.Tensor, key: str) -> None:
+        """Queue the device -> host copy of ``t`` into buffer ``key`` without waiting; a later
+        ``to_host`` of the same, unchanged tensor and key only waits for it. Lets a caller queue
+        more GPU work (GPU-resident experts) after the copy without the host's wait for the copy
+        also waiting for that work. No-op for CPU tensors."""
+        if t.device.type == "cpu":
+            return
+        buf = self.buffer(key, t.shape, t.dtype)
+        buf.copy_(t.detach(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+        self._pending[key] = (done, self._signature(t))
 
     def buffer(self, key: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A pinned [shape] ``dtype`` view of buffer ``key``, safe to overwrite now."""
@@ -41,7 +61,12 @@ class PinnedStaging:
         the next use of that key)."""
         if t.device.type == "cpu":
             return t.detach()
-        buf = self.buffer(key, t.shape, t.dtype)
+        pending = self._pending.pop(key, None)
+        if pending is not None and pending[1] == self._signature(t):
+            pending[0].synchronize()  # the copy start_to_host queued, not the work queued after it
+            self.prefetch_hits += 1
+            return self._bufs[key][: t.numel()].view(t.shape)
+        buf = self.buffer(key, t.shape, t.dtype)  # (a stale pending copy is ordered before this one)
         buf.copy_(t.detach(), non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(t.device))

@@ -3,9 +3,9 @@
 Walks ``model.named_modules()`` once; the first matching rule wins; ``recursive: false``
 hands a matched module's whole subtree to that rule. Always errors: a rule of the file itself
 (included rules may be overridden) that matches no module, GPU-expert ids or counts the model does not have, and (for a run) a device this
-machine does not have. Placements the schema accepts but this version cannot run yet
-(routed experts off the CPU, ``gpu_experts``, non-expert modules on another device than the
-default) are *refusals*: errors for a run, kept in ``plan.refusals`` for a planning-only call
+machine does not have. ``gpu_experts`` runs (``moe/resident.py``). Placements the schema
+accepts but this version cannot run yet (routed experts off the CPU, non-expert modules on
+another device than the default) are *refusals*: errors for a run, kept in ``plan.refusals`` for a planning-only call
 (``kt-ft rules plan`` / ``check`` show them). The model may live on the meta device.
 """
 
@@ -33,7 +33,7 @@ class ExpertPlacement:
     backend: str  # backend name or "auto"
     threads: int | None
     rule: Rule | None
-    gpu_experts: GpuExpertSpec | None = None  # experts of this layer kept on the GPU (planned only)
+    gpu_experts: GpuExpertSpec | None = None  # experts of this layer resident on the training device
     spec: Any = None  # the kernels' ExpertSpec of the family's layout (None: the default)
 
 
@@ -129,15 +129,11 @@ def make_plan(
         if device != "cpu":
             refusals.append(
                 f"{where}: routed experts {name} placed on {device!r}; this version of kt-ft computes routed "
-                "experts on 'cpu' only (GPU-resident experts arrive with `gpu_experts`)"
+                "experts on 'cpu' only (keep some of them on the GPU with `gpu_experts`)"
             )
         spec = rule.gpu_experts.for_layer(layer) if rule is not None and rule.gpu_experts else None
         if spec is not None and (spec.ids or spec.count):
             problems += _gpu_problems(rule, name, spec, module.gate_up_proj.shape[0])
-            refusals.append(
-                f"{where}: gpu_experts on {name}: not implemented yet in this version of kt-ft (the plan "
-                "shows it; `kt-ft rules plan` previews it); remove gpu_experts to train"
-            )
         else:
             spec = None
         backend = kt_backend if kt_backend != "auto" else (rule.backend if rule and rule.backend else "auto")

@@ -4,8 +4,9 @@ Inputs: the (meta) model, its PlacementPlan and a few training sizes; no weight 
 Formulas (each number is an estimate, stated so it can be checked by hand):
 
 * parameter bytes: numel x the checkpoint dtype's size, per device of the owning module;
-  routed experts on their expert device, minus ``gpu_experts`` (count/E of the layer's experts)
-  which count on the training device.
+  routed experts all on their expert device (the CPU keeps the full fused weights, which the
+  checkpoint and merge read), plus a copy of the ``gpu_experts`` (count/E of the layer's
+  experts) on the training device.
 * PEFT LoRA (``lora_target: all``, as LLaMA-Factory finds it): every ``*Linear*`` module
   outside ``lm_head`` and the routed experts gets r x (in + out) parameters.
 * expert LoRA: per MoE layer gate + up + down = 2·E·r·(H + I) + E·r·(I + H) = 3·E·r·(H + I).
@@ -126,7 +127,7 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
         if e.gpu_experts is not None:
             on_gpu = len(e.gpu_experts.ids) if e.gpu_experts.ids is not None else e.gpu_experts.count
         per_expert = expert_numel[e.name] * elt // num
-        dev(_device(e.device))["param_bytes"] += per_expert * (num - on_gpu)
+        dev(_device(e.device))["param_bytes"] += per_expert * num  # resident ones too: a copy goes to the GPU
         if on_gpu:
             dev(train_dev)["param_bytes"] += per_expert * on_gpu
         n = 3 * num * sizes.lora_rank * (hidden + inter)

@@ -1,0 +1,368 @@
+"""GPU-resident experts (``gpu_experts``, kt_ft/moe/resident.py), checked on the CPU: the "GPU"
+device is the CPU, so the split of each layer's pairs between the device part and the CPU op
+runs exactly as on a GPU machine (tests/test_gpu.py's twin below runs it on CUDA).
+
+Tolerances (fp32), against the all-CPU placement (the same pairs summed in another order):
+first-step gradients of every trainable tensor 2e-6 relative to its largest entry (measured
+5e-7), losses rel 1e-5 per step, expert-LoRA tensors after 4 AdamW steps abs 1e-4 (measured
+3e-5: AdamW's m/sqrt(v) turns a 1e-7 difference in a near-zero gradient entry into an update
+difference of up to lr=1e-2; test_parity.py's bound for the same reason); kernels with masked pairs vs the
+reference with those pairs' weights zeroed: 2e-5 relative to the largest entry (tests/test_kernels.py's
+fp32 bound).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_inputs import GPT_OSS_SPEC, make_problem
+from test_parity import ATTN, expert_lora
+from tiny_models import tiny_model
+
+from kt_ft.kernels import BACKENDS, ExpertWeights, LoraTensors
+from kt_ft.kernels.reference import ReferenceBackend
+from kt_ft.models import FAMILIES
+from kt_ft.moe.experts import KTExperts
+from kt_ft.moe.patch import replace_routed_experts
+from kt_ft.moe.resident import pick_resident_ids
+from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+
+RANK, ALPHA = 4, 8
+# 3 of the 8 experts resident on every layer, explicit ids [1, 6] on layer 1
+GPU_RULE = (
+    "- match: {class: Qwen3MoeExperts}\n"
+    "  replace:\n"
+    "    device: cpu\n"
+    "    backend: torch\n"
+    "    gpu_experts: [{layers: 1, ids: [1, 6]}, {count: 3}]\n"
+    "- default: {device: cuda}\n"
+)
+
+
+def build(rule_path, family="qwen3_moe", backend="torch", chunk_size=4096, seed=0):
+    """A tiny PEFT model (LoRA on attention) with its routed experts replaced under ``rule_path``;
+    the same seed gives the same base weights and LoRA init whatever the rule."""
+    from peft import LoraConfig, get_peft_model
+
+    fam = FAMILIES[family]
+    model = get_peft_model(
+        tiny_model(family, seed=seed),
+        LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN, lora_dropout=0.0),
+    )
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 7)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    plan = make_plan(model, load_rules(rule_path), fam, backend, 2)
+    replace_routed_experts(model, plan, RANK, ALPHA / RANK, chunk_size, seed=seed + 1)
+    with torch.no_grad():  # non-zero B: the expert LoRA contributes (and trains A) from step 0
+        gen = torch.Generator().manual_seed(seed + 9)
+        for m in model.modules():
+            if isinstance(m, KTExperts):
+                for n in ("gate_b", "up_b", "down_b"):
+                    getattr(m, n).copy_(torch.randn(getattr(m, n).shape, generator=gen) * 0.05)
+    return model
+
+
+def train(model, batches, steps, gc, device="cpu"):
+    if gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(steps):
+        ids = batches[step % len(batches)].to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _first_grads(model, gc) -> dict[str, torch.Tensor]:
+    """Gradients of every trainable tensor after one forward/backward on the first batch."""
+    if gc:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()
+    model.train()
+    ids = batches()[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def kt_layers(model) -> list[KTExperts]:
+    return [m for m in model.modules() if isinstance(m, KTExperts)]
+
+
+@pytest.fixture()
+def gpu_rule(tmp_path):
+    p = tmp_path / "gpu.yaml"
+    p.write_text(GPU_RULE)
+    return p
+
+
+def batches():
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(1, 97, (2, 12), generator=gen) for _ in range(3)]
+
+
+@pytest.mark.parametrize("gc", [False, True])
+def test_resident_experts_train_like_all_cpu(gpu_rule, gc):
+    cpu_model = build(resolve_rule_path("qwen3_moe-torch"))
+    res_model = build(gpu_rule)
+    layers = kt_layers(res_model)
+    assert [m.resident.ids for m in layers] == [(0, 1, 2), (1, 6)]
+    sd_names = set(res_model.state_dict())
+    assert sd_names == set(cpu_model.state_dict())  # no new parameters or buffers
+
+    first = [_first_grads(m, gc) for m in (cpu_model, res_model)]
+    assert first[0].keys() == first[1].keys() and any("experts.up_a" in n for n in first[0])
+    for n, g in first[0].items():
+        torch.testing.assert_close(first[1][n], g, rtol=0, atol=2e-6 * g.abs().max().item(), msg=n)
+    for m in (cpu_model, res_model):
+        m.zero_grad(set_to_none=True)
+    ref = train(cpu_model, batches(), 4, gc)
+    got = train(res_model, batches(), 4, gc)
+    # the CPU op still runs once per layer per step (the reentrant recompute takes its stash)
+    assert [m.runner.forward_calls for m in layers] == [5, 5]  # 1 (first grads) + 4
+    assert [m.runner.stash_hits for m in layers] == [5 if gc else 0] * 2
+    assert got[-1] < got[0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    a, b = expert_lora(res_model), expert_lora(cpu_model)
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
+    # the resident experts' LoRA did train (through the device path only)
+    m = layers[1]
+    init = build(gpu_rule)
+    assert not torch.equal(m.gate_a[6], kt_layers(init)[1].gate_a[6])
+    assert set(res_model.state_dict()) == sd_names
+
+
+def test_resident_pairs_are_not_sent_to_the_cpu(gpu_rule, monkeypatch):
+    model = build(gpu_rule)
+    seen = []
+    layer = kt_layers(model)[0]
+    orig = layer.runner.forward
+
+    def spy(x, ids, weights, lora, needs_grad):
+        seen.append(ids.clone())
+        return orig(x, ids, weights, lora, needs_grad)
+
+    monkeypatch.setattr(layer.runner, "forward", spy)
+    model(input_ids=batches()[0])
+    ids = seen[0]
+    assert ((ids < 0) | (ids > 2)).all() and (ids < 0).any()  # experts 0-2 of layer 0: masked
+
+
+def test_device_work_is_queued_before_the_cpu_op_blocks(gpu_rule, monkeypatch):
+    """Forward: CPU-op input copies started, resident share queued, then the CPU op; backward: the
+    resident share's backward (which starts the CPU op's gradient copy) before the CPU op's."""
+    import kt_ft.moe.resident as resident_mod
+
+    model = build(gpu_rule)
+    layer = kt_layers(model)[1]
+    calls = []
+
+    def spy(obj, name, tag):
+        orig = getattr(obj, name)
+
+        def wrapped(*a, **k):
+            calls.append(tag)
+            return orig(*a, **k)
+
+        monkeypatch.setattr(obj, name, wrapped)
+
+    spy(layer.runner, "prefetch", "prefetch inputs")
+    spy(layer.resident, "start", "queue resident")
+    spy(layer.runner, "forward", "cpu forward")
+    spy(resident_mod, "prefetch_grad_out", "resident backward")
+    spy(layer.runner, "backward", "cpu backward")
+    ids = batches()[0]
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    # layer 0's resident backward comes after layer 1's CPU backward: keep layer 1's part
+    assert calls[:5] == [
+        "prefetch inputs",
+        "queue resident",
+        "cpu forward",
+        "resident backward",
+        "cpu backward",
+    ]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_routing_weights_get_gradients_from_both_parts(family):
+    """KTExperts alone, float64: d out / d (x, weights, LoRA) with resident experts equals the
+    all-CPU module's (torch backend), also at the resident slots (the router trains through them);
+    gpt_oss: transposed, interleaved, biased, clamped experts (resident.py reads the spec). Bound:
+    1e-10 relative / 1e-12 absolute (float64, different summation order)."""
+    from kt_ft.kernels.grouped import GroupedTorchBackend
+    from kt_ft.models import expert_spec
+
+    torch.manual_seed(0)
+    hf = tiny_model(family).model.layers[0].mlp.experts.double()
+    spec = expert_spec(FAMILIES[family], hf)
+    mods = [
+        KTExperts(
+            hf, 0, RANK, 2.0, GroupedTorchBackend(), 4096, None, torch.float64, torch.Generator().manual_seed(1),
+            spec=spec, resident_ids=ids,
+        )
+        for ids in ((), (2, 5))
+    ]  # fmt: skip
+    for m in mods:
+        with torch.no_grad():
+            for n in ("gate_b", "up_b", "down_b"):
+                getattr(m, n).copy_(
+                    torch.randn(getattr(m, n).shape, generator=torch.Generator().manual_seed(3))
+                )
+    t, k, e = 11, 2, mods[0].num_experts
+    x = torch.randn(t, mods[0].hidden_dim, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    w = torch.rand(t, k, dtype=torch.float64)
+    assert torch.isin(ids, torch.tensor([2, 5])).any()
+    grads = []
+    for m in mods:
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = m(xi, ids, wi)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads.append([out.detach(), xi.grad, wi.grad, *(p.grad for p in m.lora_tensors())])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("variant", ["plain", "gpt_oss"])
+def test_backends_skip_masked_pairs(backend, variant):
+    """Pairs with id -1 are skipped: same output, input and LoRA grads as the reference with those
+    pairs' weights zeroed; their routing-weight grad is 0, the others' match."""
+    gen = torch.Generator().manual_seed(11)
+    extra = {"spec": GPT_OSS_SPEC, "bias_scale": 0.5} if variant == "gpt_oss" else {}
+    base, lora, x, ids, w, _ = make_problem(37, 6, 3, 16, 8, 4, torch.float32, gen, **extra)
+    s = 2.0
+    masked = torch.rand(ids.shape, generator=gen) < 0.4
+    masked[0] = True  # a token with every slot masked
+    ids_m = ids.masked_fill(masked, -1)
+    w_zero = w.masked_fill(masked, 0)
+
+    def run(b, ids_, w_):
+        out, ctx = b.forward(x, ids_, w_, base, lora, s, True)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+        return out, *b.backward(ctx, g)
+
+    out, gx, gw, gl = run(BACKENDS[backend](), ids_m, w_zero)
+    r_out, r_gx, r_gw, r_gl = run(ReferenceBackend(), ids, w_zero)
+
+    def close(a, b):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5 * max(b.abs().max().item(), 1.0))
+
+    close(out, r_out)
+    close(gx, r_gx)
+    assert (gw[masked] == 0).all()
+    close(gw[~masked], r_gw[~masked])
+    for a, b in zip(gl, r_gl):
+        close(a, b)
+
+
+def test_pick_resident_ids():
+    assert pick_resident_ids(8, (5, 1), None) == (1, 5)
+    assert pick_resident_ids(8, None, 3) == (0, 1, 2)
+    assert pick_resident_ids(8, None, 0) == ()
+    pop = torch.tensor([1, 9, 0, 9, 4, 0, 0, 2])
+    assert pick_resident_ids(8, None, 3, pop) == (1, 3, 4)  # the most routed; ties: lower id
+
+
+def test_checkpoint_holds_every_expert(gpu_rule, tmp_path):
+    """The fused expert-LoRA file of a run with resident experts holds all experts of every layer
+    and reads back into an all-CPU model unchanged."""
+    from kt_ft.checkpoint.fused import (
+        FUSED_FILE,
+        fused_header,
+        load_fused_expert_lora,
+        save_fused_expert_lora,
+    )
+
+    model = build(gpu_rule)
+    train(model, batches(), 2, False)
+    save_fused_expert_lora(model, tmp_path)
+    header = fused_header(tmp_path / FUSED_FILE)
+    assert len(header) == 2 * 6 and all(v["shape"][0] == 8 and v["dtype"] == "BF16" for v in header.values())
+    other = build(resolve_rule_path("qwen3_moe-torch"), seed=3)
+    assert load_fused_expert_lora(other, tmp_path) == 2
+    a, b = expert_lora(model), expert_lora(other)
+    for k in a:  # the training-dtype master copy: exact
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+
+
+def test_resume_under_another_placement(gpu_rule):
+    """Train 2 steps with resident experts, move the state (weights + optimizer) to an all-CPU
+    model, train 2 more: same as 4 uninterrupted all-CPU steps (losses rel 1e-5)."""
+    ref = train(build(resolve_rule_path("qwen3_moe-torch")), batches(), 4, False)
+    first = build(gpu_rule)
+    opt_state = {}
+    losses = _train_keep(first, batches(), 0, 2, opt_state)
+    second = build(resolve_rule_path("qwen3_moe-torch"))
+    second.load_state_dict(first.state_dict())
+    with torch.no_grad():
+        for a, b in zip(kt_layers(first), kt_layers(second)):
+            for x, y in zip(a.lora_tensors(), b.lora_tensors()):
+                y.copy_(x)
+    losses += _train_keep(second, batches(), 2, 4, opt_state)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+
+
+def _train_keep(model, data, start, stop, opt_state):
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if opt_state:
+        opt.load_state_dict(opt_state["s"])
+    losses = []
+    for step in range(start, stop):
+        ids = data[step % len(data)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt_state["s"] = opt.state_dict()
+    return losses
+
+
+def test_resident_weights_are_plain_attributes(gpu_rule):
+    model = build(gpu_rule)
+    m = kt_layers(model)[0]
+    model(input_ids=batches()[0])
+    assert m.resident.device == torch.device("cpu") and m.resident.nbytes() > 0
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    assert not any("resident" in n for n in names)
+    assert isinstance(m.resident.weights, ExpertWeights) and isinstance(m.lora_tensors(), LoraTensors)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs on the GPU machine")
+@pytest.mark.parametrize("gc", [False, True])
+def test_resident_experts_on_cuda_train_like_all_cpu(gpu_rule, gc):
+    """The same on a real GPU: non-expert modules and the resident experts on CUDA (fp32, TF32 off):
+    losses rel 1e-4, expert LoRA abs 1e-3 (test_gpu.py's bounds: GPU and CPU sum in other orders)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu_model = build(resolve_rule_path("qwen3_moe-torch")).to("cuda")
+    res_model = build(gpu_rule).to("cuda")
+    ref = train(cpu_model, batches(), 4, gc, "cuda")
+    from kt_ft.moe.transfer import STAGING
+
+    hits0 = STAGING.prefetch_hits
+    got = train(res_model, batches(), 4, gc, "cuda")
+    layers = kt_layers(res_model)
+    assert all(m.resident.device.type == "cuda" for m in layers)
+    assert all(p.device.type == "cpu" for m in layers for p in m.parameters())
+    assert [m.runner.forward_calls for m in layers] == [4, 4]
+    # every CPU-op input and incoming gradient copy was started before the resident experts' work
+    # (3 inputs per layer per forward, x2 with checkpointing's recompute, + 1 gradient per backward)
+    assert STAGING.prefetch_hits - hits0 == 4 * 2 * ((3 * 2 if gc else 3) + 1)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
+    a, b = expert_lora(res_model), expert_lora(cpu_model)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-3, msg=k)
