@@ -39,14 +39,15 @@ GPU_RULE = (
 )
 
 
-def build(rule_path, family="qwen3_moe", backend="torch", chunk_size=4096, seed=0):
+def build(rule_path, family="qwen3_moe", backend="torch", chunk_size=4096, seed=0, **model_kw):
     """A tiny PEFT model (LoRA on attention) with its routed experts replaced under ``rule_path``;
-    the same seed gives the same base weights and LoRA init whatever the rule."""
+    the same seed gives the same base weights and LoRA init whatever the rule. ``model_kw``: config
+    overrides (e.g. num_hidden_layers)."""
     from peft import LoraConfig, get_peft_model
 
     fam = FAMILIES[family]
     model = get_peft_model(
-        tiny_model(family, seed=seed),
+        tiny_model(family, seed=seed, **model_kw),
         LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN, lora_dropout=0.0),
     )
     with torch.no_grad():

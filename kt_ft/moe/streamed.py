@@ -185,7 +185,7 @@ class StreamScheduler:
                 layer.prefetch_hits += 1
         slot = self.acquire(layer, trigger)
         nxt = self.predict(layer.layer)
-        if nxt is not None and self._holding(nxt) is None:
+        if nxt is not None and self._holding(nxt) is None and len(self.slots) > 1:
             self._copy(self.layers[nxt], self._victim(exclude=slot), "prefetch")
 
     def acquire(self, layer: StreamedExperts, trigger: str) -> _Slot:
