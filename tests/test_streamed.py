@@ -82,13 +82,16 @@ def test_resident_streamed_and_cpu_in_one_layer_train_like_all_cpu(tmp_path, gc)
     assert [(m.resident.ids, m.streamed.ids) for m in layers] == [((0, 1), (2, 3, 4)), ((0, 1), (3, 7))] + [
         ((0, 1), (2, 3, 4))
     ] * (L - 2)
+    init_a7 = layers[1].gate_a[7].detach().clone()  # layer 1's streamed expert 7
     sched = layers[0].streamed.scheduler
     assert all(m.streamed.scheduler is sched for m in layers)  # one per model
     assert set(model.state_dict()) == set(cpu_model.state_dict())  # nothing new to save
 
     assert_same_first_grads(model, cpu_model, gc)
     assert sched.copies == L + (L - 2)  # first step: every layer forward, L-2 backward
-    assert sched.stats()["copies_by"].get("backward", 0) == 0  # each backward found its layer (reuse/prefetch)
+    assert (
+        sched.stats()["copies_by"].get("backward", 0) == 0
+    )  # each backward found its layer (reuse/prefetch)
 
     per_step = []
     ref = train(cpu_model, batches(), steps, gc)
@@ -103,7 +106,9 @@ def test_resident_streamed_and_cpu_in_one_layer_train_like_all_cpu(tmp_path, gc)
         opt.step()
         opt.zero_grad()
         got.append(loss.item())
-        per_step.append((sched.copies - before[0], [m.streamed.copies - c for m, c in zip(layers, before[1])]))
+        per_step.append(
+            (sched.copies - before[0], [m.streamed.copies - c for m, c in zip(layers, before[1])])
+        )
     # later steps: L-2 copies each way; no layer copied more than twice a step (never for its backward)
     assert [n for n, _ in per_step] == [2 * (L - 2)] * steps
     assert all(max(c) <= 2 for _, c in per_step)
@@ -116,9 +121,7 @@ def test_resident_streamed_and_cpu_in_one_layer_train_like_all_cpu(tmp_path, gc)
     assert got[-1] < got[0]
     assert_trains_like(model, cpu_model, got, ref)
     # the streamed experts' LoRA did train (through the device path only)
-    init = kt_layers(build(rule(tmp_path, MIXED), num_hidden_layers=L))
-    assert not torch.equal(layers[1].gate_a[7], init[1].gate_a[7])
-    assert torch.equal(layers[1].gate_a[7], kt_layers(model)[1].gate_a[7])
+    assert not torch.equal(layers[1].gate_a[7], init_a7)
 
 
 @pytest.mark.parametrize(
@@ -206,7 +209,9 @@ def test_saved_weights_come_back_after_eviction():
         h = mods[0](xi, ids[0], wi[0])
         out = mods[1](torch.tanh(h), ids[1], wi[1])
         (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-        grads.append([out.detach(), xi.grad, *(v.grad for v in wi), *(p.grad for m in mods for p in m.lora_tensors())])
+        grads.append(
+            [out.detach(), xi.grad, *(v.grad for v in wi), *(p.grad for m in mods for p in m.lora_tensors())]
+        )
     assert sched.copies_by == {"forward": 2, "backward": 1}  # layer 0 back in for its backward
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
@@ -263,7 +268,10 @@ def test_stream_schema_errors_name_file_line_key_and_choices(tmp_path):
         make_plan(model, load_rules(plan_bad), FAMILIES["qwen3_moe"], "auto", 2)
     probs = info.value.problems
     assert len(probs) == 3, probs
-    assert f"{plan_bad}:1: stream: expert ids [9] do not exist in model.layers.0.mlp.experts; valid: 0-7" in probs
+    assert (
+        f"{plan_bad}:1: stream: expert ids [9] do not exist in model.layers.0.mlp.experts; valid: 0-7"
+        in probs
+    )
     assert any(
         p.startswith(f"{plan_bad}:3: stream: expert ids [2] of model.layers.1.mlp.experts are both resident")
         for p in probs
@@ -307,7 +315,9 @@ def test_plan_report_counts_the_stream_buffers(tmp_path, capsys):
     }
     per_layer = (64 * 64) + 2 * (64 * 32) + (64 * 64) + 2 * 16 + 2 * 64 + 8 * H
     non_expert = (2 * V * H + LAYERS * per_layer + H) * 4
-    assert rep["devices"]["cuda:0"]["param_bytes"] == non_expert + LAYERS * 2 * per_expert + 2 * 3 * per_expert
+    assert (
+        rep["devices"]["cuda:0"]["param_bytes"] == non_expert + LAYERS * 2 * per_expert + 2 * 3 * per_expert
+    )
     assert rep["devices"]["cpu"]["param_bytes"] == LAYERS * 8 * per_expert  # the CPU keeps every expert
     assert main(["rules", "plan", "--rule", str(r), "--model", str(d)]) == 0
     assert "streamed experts: 11 in 4 layers" in capsys.readouterr().out
@@ -325,7 +335,9 @@ def test_resume_under_another_placement(tmp_path):
     first, opt_state = all_cpu(num_hidden_layers=L), {}
     losses = _train_keep(first, batches(), 0, 2, opt_state)
     save_fused_expert_lora(first, tmp_path / "ckpt")
-    other = {n: p.detach().clone() for n, p in first.named_parameters() if p.requires_grad and "experts" not in n}
+    other = {
+        n: p.detach().clone() for n, p in first.named_parameters() if p.requires_grad and "experts" not in n
+    }
     second = build(rule(tmp_path, MIXED), num_hidden_layers=L)  # the same base model
     with torch.no_grad():  # nothing of the expert LoRA left from the init: the checkpoint gives all of it
         for m in kt_layers(second):
