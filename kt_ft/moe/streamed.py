@@ -139,6 +139,9 @@ class StreamScheduler:
             s.layer, s.prefetched = None, False
             if cuda:
                 s.ready, s.free = torch.cuda.Event(), torch.cuda.Event()
+                # the allocator may hand out memory that kernels queued earlier on this stream
+                # still use: the first copy into it (on the copy stream) waits for them
+                s.free.record(torch.cuda.current_stream(device))
         logger.info(
             f"streamed experts: {len(self.layers)} layers share {len(self.slots)} device buffers of "
             f"{fmt_bytes(self.buffer_bytes() // len(self.slots))} on {device}"
@@ -340,6 +343,7 @@ class StreamedExperts:
         """Unregister the page-locked host memory (also done when this object is collected)."""
         if self._finalizer is not None:
             self._finalizer()
+            self._finalizer, self._pinned = None, None  # a later copy registers again
 
     # --- uses --------------------------------------------------------------------------------
 
