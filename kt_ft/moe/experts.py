@@ -92,7 +92,10 @@ class KTExperts(nn.Module):
             self.num_experts, self.hidden_dim, self.intermediate_dim, rank, lora_dtype, generator
         ).items():
             setattr(self, name, nn.Parameter(t))
-        self.runner = ExpertRunner(backend, base, scaling, chunk_size, threads)
+        on_device = len(set(resident_ids) | set(stream_ids))
+        self.runner = ExpertRunner(
+            backend, base, scaling, chunk_size, threads, prepare=on_device < base.num_experts
+        )
         self.resident = ResidentExperts(base, resident_ids) if resident_ids else None
         self.streamed = (
             StreamedExperts(layer_idx, base, stream_ids, scheduler or StreamScheduler())
