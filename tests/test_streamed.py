@@ -319,8 +319,13 @@ def test_plan_report_counts_the_stream_buffers(tmp_path, capsys):
         rep["devices"]["cuda:0"]["param_bytes"] == non_expert + LAYERS * 2 * per_expert + 2 * 3 * per_expert
     )
     assert rep["devices"]["cpu"]["param_bytes"] == LAYERS * 8 * per_expert  # the CPU keeps every expert
+    assert rep["devices"]["cpu"]["activation_bytes"] > 0  # the CPU op still has pairs
     assert main(["rules", "plan", "--rule", str(r), "--model", str(d)]) == 0
     assert "streamed experts: 11 in 4 layers" in capsys.readouterr().out
+    assert main(["rules", "plan", "--rule", "qwen3_moe-stream", "--model", str(d), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["stream"]["experts"] == LAYERS * 8 and rep["stream"]["buffer_bytes"] == 2 * 8 * per_expert
+    assert rep["devices"]["cpu"]["activation_bytes"] == 0  # `stream: all`: no CPU op
 
 
 def test_resume_under_another_placement(tmp_path):

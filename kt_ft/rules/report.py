@@ -19,7 +19,9 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
   for its backward: Korthikanti et al. 2022's 34·s·b·h bytes at 2 bytes a value, fused
   attention, no s² term) + 2·B·S·V·4 (fp32 logits and their gradient).
 * CPU activations: per MoE layer B·S·(k·3·I + 2·H)·4 (the CPU op keeps gate, up and silu·up
-  per routed token-expert pair and the layer's input and output in fp32 until backward).
+  per routed token-expert pair and the layer's input and output in fp32 until backward); none
+  for a layer whose experts are all resident or streamed (the CPU op never runs). The device
+  experts' own activations are not counted.
 """
 
 from __future__ import annotations
@@ -190,7 +192,9 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
     gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + 2 * tokens * V * 4
     cpu_act = 0
     for e in plan.experts:
-        inter = _expert_dims(model, e)[2]
+        num, _, inter = _expert_dims(model, e)
+        if _resident_count(e) + _stream_count(e, num) >= num:
+            continue  # every expert on the device: the CPU op never runs
         cpu_act += tokens * (k * 3 * inter + 2 * H) * 4
     dev(train_dev)["activation_bytes"] += gpu_act
     dev("cpu")["activation_bytes"] += cpu_act
