@@ -34,9 +34,10 @@ SHARED_FAMILIES = ["qwen2_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3", "gl
 MLP = ["gate_proj", "up_proj", "down_proj"]
 
 
-def build(family: str, overlap: bool, monkeypatch, seed: int = 0):
+def build(family: str, overlap: bool, monkeypatch, seed: int = 0, rule=None):
     """Tiny PEFT model (LoRA on attention and on the shared experts / dense MLPs), routed experts
-    replaced; the same seed gives the same weights whatever ``overlap``."""
+    replaced (``rule``: a rule file, default the family's); the same seed gives the same weights
+    whatever ``overlap``."""
     fam = FAMILIES[family]
     if fam.demo_type not in CONFIG_MAPPING:
         pytest.skip(f"{family}: model type {fam.demo_type!r} is not in this transformers")
@@ -50,7 +51,7 @@ def build(family: str, overlap: bool, monkeypatch, seed: int = 0):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    plan = make_plan(model, load_rules(resolve_rule_path(fam.builtin_rule)), fam, "torch", 2)
+    plan = make_plan(model, load_rules(rule or resolve_rule_path(fam.builtin_rule)), fam, "torch", 2)
     replace_routed_experts(model, plan, RANK, ALPHA / RANK, 4096, seed=seed + 1)
     return model
 
@@ -106,6 +107,22 @@ def test_overlap_trains_like_the_blocks_own_order(family, gc, monkeypatch):
     # branch beside its CPU op and the block took it: nothing computed twice
     calls = 3 * (2 if gc else 1)
     assert [(m.beside.started, m.beside.taken) for m in layers] == [(calls, calls)] * len(layers)
+
+
+def test_overlap_with_every_expert_on_the_device(monkeypatch, tmp_path):
+    """``stream: all``: no CPU op to overlap; the shared branch is still started and taken, and the
+    model trains as with the overlap off (same tolerances)."""
+    rule = tmp_path / "all.yaml"
+    rule.write_text(
+        "- match: {class: DeepseekV2Experts}\n  replace: {device: cpu, backend: torch, stream: all}\n"
+    )
+    plain = build("deepseek_v2", False, monkeypatch, rule=rule)
+    model = build("deepseek_v2", True, monkeypatch, rule=rule)
+    ref, got = train(plain, 3, gc=True), train(model, 3, gc=True)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-6, atol=0)
+    layers = kt_layers(model)
+    assert all(m.runner.forward_calls == 0 for m in layers)
+    assert [(m.beside.started, m.beside.taken) for m in layers] == [(6, 6)] * len(layers)
 
 
 @pytest.mark.parametrize("gc", [False, True])

@@ -39,14 +39,15 @@ GPU_RULE = (
 )
 
 
-def build(rule_path, family="qwen3_moe", backend="torch", chunk_size=4096, seed=0):
+def build(rule_path, family="qwen3_moe", backend="torch", chunk_size=4096, seed=0, **model_kw):
     """A tiny PEFT model (LoRA on attention) with its routed experts replaced under ``rule_path``;
-    the same seed gives the same base weights and LoRA init whatever the rule."""
+    the same seed gives the same base weights and LoRA init whatever the rule. ``model_kw``: config
+    overrides (e.g. num_hidden_layers)."""
     from peft import LoraConfig, get_peft_model
 
     fam = FAMILIES[family]
     model = get_peft_model(
-        tiny_model(family, seed=seed),
+        tiny_model(family, seed=seed, **model_kw),
         LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN, lora_dropout=0.0),
     )
     with torch.no_grad():
@@ -161,7 +162,7 @@ def test_resident_pairs_are_not_sent_to_the_cpu(gpu_rule, monkeypatch):
 def test_device_work_is_queued_before_the_cpu_op_blocks(gpu_rule, monkeypatch):
     """Forward: CPU-op input copies started, resident share queued, then the CPU op; backward: the
     resident share's backward (which starts the CPU op's gradient copy) before the CPU op's."""
-    import kt_ft.moe.resident as resident_mod
+    import kt_ft.moe.device_experts as resident_mod
 
     model = build(gpu_rule)
     layer = kt_layers(model)[1]
@@ -177,7 +178,7 @@ def test_device_work_is_queued_before_the_cpu_op_blocks(gpu_rule, monkeypatch):
         monkeypatch.setattr(obj, name, wrapped)
 
     spy(layer.runner, "prefetch", "prefetch inputs")
-    spy(layer.resident, "start", "queue resident")
+    spy(layer.device_experts, "start", "queue resident")
     spy(layer.runner, "forward", "cpu forward")
     spy(resident_mod, "prefetch_grad_out", "resident backward")
     spy(layer.runner, "backward", "cpu backward")

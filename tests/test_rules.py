@@ -366,6 +366,8 @@ def test_shipped_rule_plans_a_tiny_model_of_its_family(name):
         assert plan.refusals and "not implemented yet" in plan.refusals[0]
     else:
         assert not plan.refusals
+    if name.endswith("-stream"):  # every routed expert streamed: the CPU op never runs
+        assert all(e.stream_experts is not None and e.stream_experts.is_all for e in plan.experts)
     for backend in ("torch", "kt-kernel"):
         if name.endswith(f"-{backend}"):
             assert {e.backend for e in plan.experts} == {backend}

@@ -12,7 +12,9 @@ fused layout (per-projection shapes whatever the base layout). Its parameter nam
 The module is pinned to the CPU: ``.to(cuda)`` / ``.cuda()`` on the whole model (as the HF
 Trainer does) leaves it where it is, so the routed experts never reach the GPU -- except the
 rule's ``gpu_experts``, whose base weights ``resident.py`` copies once to the training device
-(plain attributes, not parameters or buffers) and computes there.
+(plain attributes, not parameters or buffers), and its ``stream`` experts, whose base weights
+``streamed.py`` copies into a reusable device buffer each time the layer runs; both are
+computed there by ``device_experts.py``, the rest by the CPU op.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from ..kernels.base import (
 )
 from ..lora.fused import init_expert_lora
 from .beside import SharedBeside
+from .device_experts import DeviceExperts
 from .function import CPUExpertsFunction, ExpertRunner
 from .resident import ResidentExperts
+from .streamed import StreamedExperts, StreamScheduler
 
 CPU = torch.device("cpu")
 
@@ -58,9 +62,13 @@ class KTExperts(nn.Module):
         spec: ExpertSpec = DEFAULT_SPEC,
         resident_ids: tuple[int, ...] = (),
         resident_device: torch.device | None = None,
+        stream_ids: tuple[int, ...] = (),
+        scheduler: StreamScheduler | None = None,
     ) -> None:
         """``resident_ids``: experts computed on the training device (``resident.py``), copied there
-        at the first forward (to hidden_states' device), or at once to ``resident_device`` if given."""
+        at the first forward (to hidden_states' device), or at once to ``resident_device`` if given.
+        ``stream_ids``: experts streamed to that device each time the layer runs (``streamed.py``)
+        through ``scheduler``, the model's one (a scheduler of its own when None)."""
         super().__init__()
         names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
         for name in names:  # HF's frozen parameters, kept under their names (biases: gpt_oss only)
@@ -85,14 +93,24 @@ class KTExperts(nn.Module):
             self.num_experts, self.hidden_dim, self.intermediate_dim, rank, lora_dtype, generator
         ).items():
             setattr(self, name, nn.Parameter(t))
-        self.runner = ExpertRunner(backend, base, scaling, chunk_size, threads)
+        on_device = len(set(resident_ids) | set(stream_ids))
+        self.runner = ExpertRunner(
+            backend, base, scaling, chunk_size, threads, prepare=on_device < base.num_experts
+        )
         self.resident = ResidentExperts(base, resident_ids) if resident_ids else None
+        self.streamed = (
+            StreamedExperts(layer_idx, base, stream_ids, scheduler or StreamScheduler())
+            if stream_ids
+            else None
+        )
         # the block's shared experts, started beside the CPU op (``beside.py``; set by the patch)
         self.beside: SharedBeside | None = None
-        if self.resident is not None:
+        self.device_experts = None
+        if self.resident is not None or self.streamed is not None:
+            self.device_experts = DeviceExperts(base, self.resident, self.streamed)
             self.runner.out_dtype = accum_dtype(base.gate_up.dtype)  # summed with the device part
-            if resident_device is not None:
-                self.resident.to_device(resident_device)
+        if self.resident is not None and resident_device is not None:
+            self.resident.to_device(resident_device)
 
     def lora_tensors(self) -> LoraTensors:
         return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
@@ -105,28 +123,33 @@ class KTExperts(nn.Module):
         lora = self.lora_tensors()
         # first pass of a reentrant-checkpointed layer: keep the CPU result for its recompute
         first_pass = not torch.is_grad_enabled() and self.training and any(p.requires_grad for p in lora)
-        res = self.resident
-        if res is not None:
-            res.to_device(hidden_states.device)
+        dev, beside = self.device_experts, self.beside
+        if dev is not None:
+            # streamed experts: this layer's copy (and the next layer's prefetch) queued first
+            dev.begin(hidden_states.device)
             weights = top_k_weights
-            local, top_k_index, top_k_weights = res.split(top_k_index, weights)
-        if res is not None or self.beside is not None:
+            local, top_k_index, top_k_weights = dev.split(top_k_index, weights)
+            if not dev.cpu_follows:  # every expert on the device: no CPU op call at all
+                if beside is not None:  # the block takes it as usual (no overlap to gain here)
+                    beside.start(hidden_states)
+                return dev.start(hidden_states, local, weights, lora, self.scaling)().to(hidden_states.dtype)
+        if dev is not None or beside is not None:
             # order matters on a GPU: start the CPU op's input copies, then queue the GPU work
-            # (shared experts, resident experts), then block in the CPU op -- the GPU computes
+            # (shared experts, device experts), then block in the CPU op -- the GPU computes
             # meanwhile; that work joins the graph after the CPU op so the backward keeps the order
             needs_grad = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (hidden_states, top_k_weights, *lora)
             )  # what CPUExpertsFunction will see (ctx.needs_input_grad)
             self.runner.prefetch(hidden_states, top_k_index, top_k_weights, first_pass, needs_grad)
-        if self.beside is not None:
-            self.beside.start(hidden_states)
-        if res is not None:
-            finish = res.start(hidden_states, local, weights, lora, self.scaling)
+        if beside is not None:
+            beside.start(hidden_states)
+        if dev is not None:
+            finish = dev.start(hidden_states, local, weights, lora, self.scaling)
         if first_pass:
             out = self.runner.forward_and_stash(hidden_states, top_k_index, top_k_weights, lora)
         else:
             out = CPUExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self.runner, *lora)
-        if res is None:
+        if dev is None:
             return out
         return (out + finish()).to(hidden_states.dtype)  # both float32: one rounding
 
@@ -141,4 +164,10 @@ class KTExperts(nn.Module):
             f"{'' if self.spec.is_default else f'experts={self.spec.describe()}, '}"
             f"backend={self.runner.backend.name}, threads={self.runner.threads}, device=cpu"
             + (f", resident={list(self.resident.ids)}" if self.resident is not None else "")
+            + (f", streamed={list(self.streamed.ids)}" if self.streamed is not None else "")
         )
+
+    def stream_stats(self) -> dict | None:
+        """This layer's streaming counters (copies, bytes_streamed, hits, prefetch_hits, copies_by),
+        None when it streams nothing."""
+        return self.streamed.stats() if self.streamed is not None else None

@@ -74,7 +74,10 @@ class ExpertRunner:
         scaling: float,
         chunk_size: int,
         threads: int | None,
+        prepare: bool = True,
     ) -> None:
+        """``prepare``: False when the op will never run (every expert of the layer on the device),
+        so a backend's checks and set-up (kt-kernel: bf16 weights only) do not apply."""
         self.backend = backend
         self.base = base
         self.scaling = scaling
@@ -90,7 +93,8 @@ class ExpertRunner:
         # dtype of the op's output on the caller's device; None: the input's (set to the
         # accumulation dtype when GPU-resident experts add their part to it)
         self.out_dtype: torch.dtype | None = None
-        backend.prepare(base, threads, chunk_size)
+        if prepare:
+            backend.prepare(base, threads, chunk_size)
 
     def input_key(self, first_pass: bool, needs_grad: bool) -> str:
         """Name of the pinned buffers the op's inputs go through: a reentrant recompute (a call

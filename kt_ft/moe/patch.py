@@ -14,7 +14,8 @@ from ..models import unwrap_peft
 from ..rules.plan import PlacementPlan
 from .beside import install_shared_beside
 from .experts import KTExperts
-from .resident import pick_resident_ids
+from .resident import pick_resident_ids, pick_stream_ids
+from .streamed import StreamScheduler
 
 logger = get_logger(__name__)
 
@@ -30,20 +31,29 @@ class KTSummary:
     expert_bytes: int  # frozen routed-expert weights held in CPU RAM
     default_device: torch.device
     resident: dict[int, tuple[int, ...]] | None = None  # layer -> experts computed on the training device
+    streamed: dict[int, tuple[int, ...]] | None = None  # layer -> experts streamed to the training device
+    scheduler: StreamScheduler | None = None  # the model's stream scheduler (None: nothing streams)
 
     def line(self) -> str:
         return (
             f"{self.num_experts} experts x {len(self.layers)} MoE layers on cpu via backend {self.backend} "
             f"({self.backend_reason}) with {self.threads} threads; the rest on {self.default_device}; "
             f"expert-LoRA params {self.lora_params:,}; routed-expert weights {fmt_bytes(self.expert_bytes)} in RAM"
-            + (f"; GPU-resident experts {self._resident_text()}" if self.resident else "")
+            + (f"; GPU-resident experts {_ids_text(self.resident)}" if self.resident else "")
+            + (
+                f"; streamed experts {_ids_text(self.streamed)} (device buffers "
+                f"{fmt_bytes(self.scheduler.buffer_bytes())})"
+                if self.streamed
+                else ""
+            )
         )
 
-    def _resident_text(self) -> str:
-        by_ids: dict[tuple[int, ...], list[int]] = {}
-        for layer, ids in self.resident.items():
-            by_ids.setdefault(ids, []).append(layer)
-        return ", ".join(f"layers {layers} ids {list(ids)}" for ids, layers in by_ids.items())
+
+def _ids_text(by_layer: dict[int, tuple[int, ...]]) -> str:
+    by_ids: dict[tuple[int, ...], list[int]] = {}
+    for layer, ids in by_layer.items():
+        by_ids.setdefault(ids, []).append(layer)
+    return ", ".join(f"layers {layers} ids {list(ids)}" for ids, layers in by_ids.items())
 
 
 def replace_routed_experts(
@@ -61,6 +71,8 @@ def replace_routed_experts(
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     backends: dict[str, tuple] = {}
     resident: dict[int, tuple[int, ...]] = {}
+    streamed: dict[int, tuple[int, ...]] = {}
+    scheduler = StreamScheduler()  # one per model: the layers share its device buffers
     lora_params = expert_bytes = 0
     num_experts = 0
     peft_wrapped = False
@@ -88,9 +100,14 @@ def replace_routed_experts(
         backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
         gpu = place.gpu_experts
         # a count takes the first ids: no routing counts exist before training (README: gpu_experts)
-        ids = pick_resident_ids(hf.gate_up_proj.shape[0], gpu.ids, gpu.count) if gpu is not None else ()
+        num = hf.gate_up_proj.shape[0]
+        ids = pick_resident_ids(num, gpu.ids, gpu.count) if gpu is not None else ()
         if ids:
             resident[place.layer] = ids
+        st = place.stream_experts  # a count: the first non-resident ids (README: Streamed experts)
+        stream_ids = pick_stream_ids(num, ids, st.ids, st.count) if st is not None else ()
+        if stream_ids:
+            streamed[place.layer] = stream_ids
         kt = KTExperts(
             hf,
             place.layer,
@@ -102,6 +119,8 @@ def replace_routed_experts(
             generator=gen,
             spec=spec,
             resident_ids=ids,
+            stream_ids=stream_ids,
+            scheduler=scheduler,
         )
         setattr(parent, child, kt)
         if overlap_shared:
@@ -126,4 +145,6 @@ def replace_routed_experts(
         expert_bytes,
         plan.default_device,
         resident,
+        streamed,
+        scheduler if streamed else None,
     )

@@ -12,6 +12,7 @@ Format (a YAML list; the first rule whose ``match`` holds wins)::
         backend: auto                   # experts only: auto | torch | reference | kt-kernel
         threads: 16                     # experts only: CPU threads (default: the recipe's cpu_infer)
         gpu_experts: 4                  # experts only: experts kept on the GPU (see schema.py)
+        stream: all                     # experts only: experts streamed to the GPU each step (same forms, or all)
       recursive: true                   # false: submodules take this rule without further matching
     - default:
         device: cuda                    # device of every module no rule matches
@@ -47,6 +48,7 @@ from .schema import (
     LayerSet,
     parse_gpu_experts,
     parse_layers,
+    parse_stream,
 )
 
 
@@ -64,6 +66,7 @@ class Rule:
     gpu_experts: GpuExperts | None = None
     source: str = ""  # the file the rule is written in (included rules keep theirs)
     device_at: str = ""  # "file:line: [i].replace.device", for device errors found later
+    stream: GpuExperts | None = None  # experts streamed to the training device (moe/streamed.py)
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -231,7 +234,7 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
 
     akey = "replace" if "replace" in keys else "place"
     anode = keys.get(akey)
-    device, backend, threads, gpu_experts = "cpu", None, None, None
+    device, backend, threads, gpu_experts, stream = "cpu", None, None, None, None
     device_at = f"{r.at(item)}: {path_i}.{akey}.device"
     if anode is None:
         r.problem(item, f"{path_i}.replace", "missing; say at least `device`")
@@ -257,6 +260,8 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
                 threads = None
         if "gpu_experts" in a:
             gpu_experts = r.parsed(a["gpu_experts"], f"{path_i}.{akey}.gpu_experts", parse_gpu_experts)
+        if "stream" in a:
+            stream = r.parsed(a["stream"], f"{path_i}.{akey}.stream", parse_stream)
     recursive = True
     if "recursive" in keys:
         recursive = r.value(keys["recursive"])
@@ -276,6 +281,7 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
         gpu_experts,
         r.source,
         device_at,
+        stream,
     )
 
 

@@ -3,7 +3,8 @@
 Walks ``model.named_modules()`` once; the first matching rule wins; ``recursive: false``
 hands a matched module's whole subtree to that rule. Always errors: a rule of the file itself
 (included rules may be overridden) that matches no module, GPU-expert ids or counts the model does not have, and (for a run) a device this
-machine does not have. ``gpu_experts`` runs (``moe/resident.py``). Placements the schema
+machine does not have. ``gpu_experts`` runs (``moe/resident.py``), and ``stream``
+(``moe/streamed.py``: its ids must not be resident, resident + streamed <= the layer's experts). Placements the schema
 accepts but this version cannot run yet (routed experts off the CPU, non-expert modules on
 another device than the default) are *refusals*: errors for a run, kept in ``plan.refusals`` for a planning-only call
 (``kt-ft rules plan`` / ``check`` show them). The model may live on the meta device.
@@ -35,6 +36,9 @@ class ExpertPlacement:
     rule: Rule | None
     gpu_experts: GpuExpertSpec | None = None  # experts of this layer resident on the training device
     spec: Any = None  # the kernels' ExpertSpec of the family's layout (None: the default)
+    # experts of this layer streamed to the training device each time the layer runs
+    # (``moe/streamed.py``); ids and count None: every expert not resident (``stream: all``)
+    stream_experts: GpuExpertSpec | None = None
 
 
 @dataclass
@@ -88,6 +92,34 @@ def _gpu_problems(rule: Rule, name: str, spec: GpuExpertSpec, num_experts: int) 
     return []
 
 
+def _stream_problems(
+    rule: Rule, name: str, gpu: GpuExpertSpec | None, spec: GpuExpertSpec, num_experts: int
+) -> list[str]:
+    """A layer's ``stream`` entry against the model and its resident experts (a resident count
+    takes ids 0..count-1, as at load: README "GPU-resident experts")."""
+    from ..moe.resident import pick_resident_ids
+
+    path = f"{rule.where}: stream"
+    resident = pick_resident_ids(num_experts, gpu.ids, gpu.count) if gpu is not None else ()
+    rest = num_experts - len(resident)
+    if spec.ids is not None:
+        bad = [i for i in spec.ids if i >= num_experts]
+        if bad:
+            return [f"{path}: expert ids {bad} do not exist in {name}; valid: 0-{num_experts - 1}"]
+        both = sorted(set(spec.ids) & set(resident))
+        if both:
+            return [
+                f"{path}: expert ids {both} of {name} are both resident (gpu_experts {list(resident)}) and "
+                "streamed; an expert has one placement: drop them from one of the two"
+            ]
+    if spec.count is not None and spec.count > rest:
+        return [
+            f"{path}: gpu_experts {len(resident)} + stream {spec.count} = {len(resident) + spec.count} > the "
+            f"{num_experts} experts of {name}; valid stream counts: 0-{rest} (or `stream: all`)"
+        ]
+    return []
+
+
 def make_plan(
     model,
     rules: RuleSet,
@@ -129,17 +161,28 @@ def make_plan(
         if device != "cpu":
             refusals.append(
                 f"{where}: routed experts {name} placed on {device!r}; this version of kt-ft computes routed "
-                "experts on 'cpu' only (keep some of them on the GPU with `gpu_experts`)"
+                "experts on 'cpu' only (keep some of them on the GPU with `gpu_experts`, or stream them with `stream`)"
             )
+        num = module.gate_up_proj.shape[0]
         spec = rule.gpu_experts.for_layer(layer) if rule is not None and rule.gpu_experts else None
+        gpu_bad: list[str] = []
         if spec is not None and (spec.ids or spec.count):
-            problems += _gpu_problems(rule, name, spec, module.gate_up_proj.shape[0])
+            gpu_bad = _gpu_problems(rule, name, spec, num)
+            problems += gpu_bad
         else:
             spec = None
+        stream = rule.stream.for_layer(layer) if rule is not None and rule.stream else None
+        if stream is not None and (stream.is_all or stream.ids or stream.count):
+            if not gpu_bad:
+                problems += _stream_problems(rule, name, spec, stream, num)
+        else:
+            stream = None
         backend = kt_backend if kt_backend != "auto" else (rule.backend if rule and rule.backend else "auto")
         threads = rule.threads if rule is not None and rule.threads is not None else cpu_infer
         experts.append(
-            ExpertPlacement(name, layer, device, backend, threads, rule, spec, expert_spec(family, module))
+            ExpertPlacement(
+                name, layer, device, backend, threads, rule, spec, expert_spec(family, module), stream
+            )
         )
 
     module_devices = {}

@@ -6,7 +6,8 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
 * parameter bytes: numel x the checkpoint dtype's size, per device of the owning module;
   routed experts all on their expert device (the CPU keeps the full fused weights, which the
   checkpoint and merge read), plus a copy of the ``gpu_experts`` (count/E of the layer's
-  experts) on the training device.
+  experts) on the training device, plus the device buffers of the ``stream`` experts: two
+  (double-buffered across layers), each the largest layer's streamed experts.
 * PEFT LoRA (``lora_target: all``, as LLaMA-Factory finds it): every ``*Linear*`` module
   outside ``lm_head`` and the routed experts gets r x (in + out) parameters.
 * expert LoRA: per MoE layer gate + up + down = 2·E·r·(H + I) + E·r·(I + H) = 3·E·r·(H + I).
@@ -18,7 +19,9 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
   for its backward: Korthikanti et al. 2022's 34·s·b·h bytes at 2 bytes a value, fused
   attention, no s² term) + 2·B·S·V·4 (fp32 logits and their gradient).
 * CPU activations: per MoE layer B·S·(k·3·I + 2·H)·4 (the CPU op keeps gate, up and silu·up
-  per routed token-expert pair and the layer's input and output in fp32 until backward).
+  per routed token-expert pair and the layer's input and output in fp32 until backward); none
+  for a layer whose experts are all resident or streamed (the CPU op never runs). The device
+  experts' own activations are not counted.
 """
 
 from __future__ import annotations
@@ -70,23 +73,51 @@ def _layer(name: str) -> int | None:
         return None
 
 
+STREAM_BUFFERS = 2  # device buffers the streamed experts rotate through (moe/streamed.py)
+
+
+def _spec_text(spec) -> str | None:
+    if spec is None:
+        return None
+    if spec.is_all:
+        return "all"
+    return f"ids {list(spec.ids)}" if spec.ids is not None else f"{spec.count}"
+
+
+def _resident_count(e) -> int:
+    gpu = e.gpu_experts
+    if gpu is None:
+        return 0
+    return len(gpu.ids) if gpu.ids is not None else gpu.count
+
+
+def _stream_count(e, num_experts: int) -> int:
+    """Experts of a layer its ``stream`` entry streams (``all``: every one not resident)."""
+    st = e.stream_experts
+    if st is None:
+        return 0
+    if st.is_all:
+        return num_experts - _resident_count(e)
+    return len(st.ids) if st.ids is not None else st.count
+
+
 def _expert_groups(plan: PlacementPlan) -> list[dict]:
     groups: list[dict] = []
     for e in plan.experts:
-        gpu = e.gpu_experts
-        gpu_text = (
-            None if gpu is None else (f"ids {list(gpu.ids)}" if gpu.ids is not None else f"{gpu.count}")
-        )
-        key = (e.device, e.backend, e.threads, gpu_text)
+        key = (e.device, e.backend, e.threads, _spec_text(e.gpu_experts), _spec_text(e.stream_experts))
         if groups and groups[-1]["key"] == key:
             groups[-1]["layers"].append(e.layer)
         else:
             groups.append({"key": key, "layers": [e.layer]})
     out = []
     for g in groups:
-        device, backend, threads, gpu_text = g["key"]
+        device, backend, threads, gpu_text, stream_text = g["key"]
         what = f"layers {_ranges(g['layers'])} routed experts"
-        how = f"{device} {backend} {threads} threads" + (f", gpu_experts {gpu_text}" if gpu_text else "")
+        how = (
+            f"{device} {backend} {threads} threads"
+            + (f", gpu_experts {gpu_text}" if gpu_text else "")
+            + (f", stream {stream_text}" if stream_text else "")
+        )
         out.append({"what": what, "device": _device(device), "how": how, "layers": g["layers"]})
     return out
 
@@ -121,15 +152,20 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
         dev(d)["param_bytes"] += p.numel() * elt
 
     lora = {"peft_params": 0, "expert_params": 0}
+    stream = {"layers": 0, "experts": 0, "largest_layer_bytes": 0, "buffer_bytes": 0, "bytes_per_pass": 0}
     for e in plan.experts:
         num, hidden, inter = _expert_dims(model, e)
-        on_gpu = 0
-        if e.gpu_experts is not None:
-            on_gpu = len(e.gpu_experts.ids) if e.gpu_experts.ids is not None else e.gpu_experts.count
+        on_gpu = _resident_count(e)
         per_expert = expert_numel[e.name] * elt // num
         dev(_device(e.device))["param_bytes"] += per_expert * num  # resident ones too: a copy goes to the GPU
         if on_gpu:
             dev(train_dev)["param_bytes"] += per_expert * on_gpu
+        streamed = _stream_count(e, num)
+        if streamed:
+            stream["layers"] += 1
+            stream["experts"] += streamed
+            stream["bytes_per_pass"] += per_expert * streamed
+            stream["largest_layer_bytes"] = max(stream["largest_layer_bytes"], per_expert * streamed)
         n = 3 * num * sizes.lora_rank * (hidden + inter)
         lora["expert_params"] += n
         dev("cpu")["lora_params"] += n
@@ -141,6 +177,9 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
         n = sizes.lora_rank * (m.in_features + m.out_features)
         lora["peft_params"] += n
         dev(_device(plan.module_devices.get(name, "cuda")))["lora_params"] += n
+    if stream["layers"]:  # the streamed experts' device buffers count with the weights
+        stream["buffer_bytes"] = STREAM_BUFFERS * stream["largest_layer_bytes"]
+        dev(train_dev)["param_bytes"] += stream["buffer_bytes"]
     for d in devices.values():
         d["train_state_bytes"] = d["lora_params"] * TRAIN_STATE_BYTES
 
@@ -153,7 +192,9 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
     gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + 2 * tokens * V * 4
     cpu_act = 0
     for e in plan.experts:
-        inter = _expert_dims(model, e)[2]
+        num, _, inter = _expert_dims(model, e)
+        if _resident_count(e) + _stream_count(e, num) >= num:
+            continue  # every expert on the device: the CPU op never runs
         cpu_act += tokens * (k * 3 * inter + 2 * H) * 4
     dev(train_dev)["activation_bytes"] += gpu_act
     dev("cpu")["activation_bytes"] += cpu_act
@@ -177,6 +218,7 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
         "groups": groups,
         "lora": lora,
         "devices": devices,
+        "stream": stream,
         "notes": plan.notes,
         "refusals": plan.refusals,
     }
@@ -216,6 +258,15 @@ def format_report(report: dict, model_dir: str) -> str:
     lines.append(
         "  (LoRA+optim: 16 bytes per trainable parameter; activations: estimate, kt_ft/rules/report.py)"
     )
+    st = report.get("stream") or {}
+    if st.get("layers"):
+        lines.append(
+            f"  streamed experts: {st['experts']:,} in {st['layers']} layers, {fmt_bytes(st['bytes_per_pass'])} "
+            "copied per pass over the layers (a step makes two, forward and backward, less what the two "
+            f"buffers still hold at each turn); device buffers {fmt_bytes(st['buffer_bytes'])} ({STREAM_BUFFERS} x the "
+            f"largest layer's {fmt_bytes(st['largest_layer_bytes'])}, in the weights column); their RAM "
+            "is page-locked"
+        )
     lines += [f"note: {n}" for n in report["notes"]]
     lines += [f"refused at load in this version: {r}" for r in report["refusals"]]
     return "\n".join(lines)

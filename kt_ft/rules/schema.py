@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 KEYS_RULE = ("match", "replace", "place", "recursive")
 KEYS_MATCH = ("name", "class", "layers")
-KEYS_ACTION = ("device", "backend", "threads", "gpu_experts")
+KEYS_ACTION = ("device", "backend", "threads", "gpu_experts", "stream")
 KEYS_DEFAULT = ("device",)
 KEYS_GPU_SPEC = ("layers", "ids", "count")
 
@@ -23,6 +23,8 @@ GPU_EXPERTS_CHOICES = (
     "a count (4), a list of expert ids ([0, 5]), {layers: RANGE, ids: [...]} (or count: N), "
     "a list of those, or a mapping layer-or-range -> ids ({0: [1, 2], '3-5': [4]})"
 )
+STREAM_ALL = "all"
+STREAM_CHOICES = f"{GPU_EXPERTS_CHOICES}, or {STREAM_ALL!r} (every expert of the layer not resident)"
 _RANGE_RE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
@@ -77,11 +79,17 @@ def parse_layers(value) -> LayerSet:
 
 @dataclass(frozen=True)
 class GpuExpertSpec:
-    """Experts of the layers ``layers`` (None: every layer the rule matches) kept on the GPU."""
+    """Experts of the layers ``layers`` (None: every layer the rule matches) kept on the GPU
+    (``gpu_experts``) or streamed to it (``stream``). ``ids`` and ``count`` both None: every
+    expert not resident (``stream: all``)."""
 
     layers: LayerSet | None
     ids: tuple[int, ...] | None  # explicit expert ids, or
     count: int | None  # how many (which ones: decided when GPU experts are computed)
+
+    @property
+    def is_all(self) -> bool:
+        return self.ids is None and self.count is None
 
 
 @dataclass(frozen=True)
@@ -140,3 +148,17 @@ def parse_gpu_experts(value) -> GpuExperts:
     except ValueError as e:
         raise ValueError(f"{e}; expected {GPU_EXPERTS_CHOICES}") from None
     raise ValueError(f"{value!r} is not a GPU-expert selection; expected {GPU_EXPERTS_CHOICES}")
+
+
+def parse_stream(value) -> GpuExperts:
+    """``stream``: every form of ``gpu_experts``, or ``all`` (one spec with neither ids nor count:
+    every expert of each matched layer that is not resident); ValueError naming STREAM_CHOICES."""
+    if value == STREAM_ALL:
+        return GpuExperts((GpuExpertSpec(None, None, None),))
+    try:
+        return parse_gpu_experts(value)
+    except ValueError as e:
+        msg = str(e).replace(f"expected {GPU_EXPERTS_CHOICES}", f"expected {STREAM_CHOICES}")
+        raise ValueError(
+            msg.replace("is not a GPU-expert selection", "is not a streamed-expert selection")
+        ) from None

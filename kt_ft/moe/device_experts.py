@@ -1,0 +1,199 @@
+"""The experts of one MoE layer computed on the training device: resident and streamed ones.
+
+Three placements share a layer's (token, slot) pairs: resident experts (``resident.py``: base
+weights copied once to the device), streamed experts (``streamed.py``: base weights copied
+from RAM into a reusable device buffer each time the layer runs) and the CPU op (every other
+expert). This module splits the pairs and computes the device share -- resident and streamed
+alike, one formula, one graph -- with plain torch ops under autograd; the CPU op gets the
+device pairs masked (id -1, weight 0: ``kernels/base.py``) and skips them.
+
+What stays the same whatever the placement: the CPU keeps the full fused base weights (the
+checkpoint, merge and convert read them), the expert LoRA stays the six CPU fp32 parameters
+of ``KTExperts`` (the device share takes slices of them with ``index_select(...).to(device)``,
+so autograd sends its gradients back into the same parameters: the optimizer and the fused
+checkpoint see no difference), and nothing new is an ``nn.Parameter`` or buffer.
+
+Per device expert e and its pairs (x, w), s the LoRA scaling, in the base weights' dtype:
+g = x Wg^T + s (x Ag^T) Bg^T, u = x Wu^T + s (x Au^T) Bu^T, h = act(g, u),
+d = h Wd^T + s (h Ad^T) Bd^T, out_t += w d (accumulated in float32; float64 for float64).
+The family's layout and activation (``ExpertSpec``: gpt_oss's transposed, interleaved,
+biased, clamped experts) are read through ``ExpertWeights.expert`` / ``gated_act``, as the
+reference backend does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from ..kernels.activation import gated_act
+from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype
+from .function import prefetch_grad_out
+from .resident import ResidentExperts
+from .streamed import StreamedExperts
+
+
+class DeviceExperts:
+    """The device share of one layer: ``resident`` experts (local indices 0..R-1), then
+    ``streamed`` ones (R..R+S-1). ``base``: the layer's full CPU base weights."""
+
+    def __init__(
+        self, base: ExpertWeights, resident: ResidentExperts | None, streamed: StreamedExperts | None
+    ) -> None:
+        if resident is None and streamed is None:
+            raise ValueError("DeviceExperts needs resident or streamed experts")
+        res_ids = resident.ids if resident is not None else ()
+        str_ids = streamed.ids if streamed is not None else ()
+        both = sorted(set(res_ids) & set(str_ids))
+        if both:
+            raise ValueError(f"expert ids {both} are both resident and streamed")
+        self.resident = resident
+        self.streamed = streamed
+        self.num_experts = base.num_experts
+        self.dtype = base.gate_up.dtype
+        self.ids = tuple(res_ids) + tuple(str_ids)  # local index -> expert id
+        self.num_resident = len(res_ids)
+        self._ids_cpu = torch.tensor(self.ids, dtype=torch.long)
+        self._local_cpu = torch.full((self.num_experts,), -1, dtype=torch.long)
+        self._local_cpu[self._ids_cpu] = torch.arange(len(self.ids))
+        self._local: torch.Tensor | None = None  # _local_cpu on the device
+        self.cpu_follows = len(self.ids) < self.num_experts  # False: the CPU op is skipped entirely
+
+    def begin(self, device: torch.device) -> None:
+        """The layer's forward starts on ``device``: resident weights there (once), the streamed
+        ones' copy queued (and the next streamed layer's prefetch: ``streamed.py``)."""
+        if self.resident is not None:
+            self.resident.to_device(device)
+        if self._local is None or self._local.device != device:
+            self._local = self._local_cpu.to(device)
+        if self.streamed is not None:
+            self.streamed.begin(device)
+
+    def split(
+        self, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids [T, k] int64, weights [T, k] (on the device) -> (local [T, k]: device index of each
+        pair or -1, cpu_ids [T, k]: ids with device pairs masked to -1, cpu_weights [T, k]: weights
+        with device pairs zeroed -- differentiable, so their gradient there is 0 from the CPU op)."""
+        local = self._local[ids]
+        on_device = local >= 0
+        return local, ids.masked_fill(on_device, -1), weights.masked_fill(on_device, 0)
+
+    def start(
+        self, x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, lora: LoraTensors, scaling: float
+    ) -> Callable[[], torch.Tensor]:
+        """Queue the device experts' share of the layer output; returns ``finish``, to be called
+        after the CPU op, which gives that share attached to the autograd graph.
+
+        x [T, H], local [T, k] (from ``split``), weights [T, k], the layer's full CPU LoRA ->
+        ``finish()`` [T, H] float32 (float64 for float64 weights) on x's device, differentiable
+        w.r.t. x, weights and lora.
+
+        Why two steps: the share is computed here on a graph of its own (``_DeviceShare``), and
+        ``finish`` attaches it to the model's graph *after* the CPU op. Autograd runs the most
+        recently created node first, so in the backward the device experts' kernels are queued
+        before the CPU op's backward blocks (and the CPU op's incoming gradient copy is started
+        before them): the GPU computes while the CPU does, both ways. One host sync (the
+        per-expert pair counts) comes before any product is queued.
+        """
+        counts, order = self._route(local)
+        if sum(counts[1:]) == 0:
+            zeros = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(self.dtype), device=x.device)
+            self._done()
+            return lambda: zeros
+        # this layer's LoRA rows of the device experts on the device; autograd copies their
+        # gradients back into the CPU parameters
+        lo = [p.index_select(0, self._ids_cpu).to(x.device) for p in lora]
+        inputs = (x, weights, *lo)
+        k = local.shape[1]
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
+            out = self._compute(x, weights, LoraTensors(*lo), scaling, counts, order, k)
+            self._done()
+            return lambda: out
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
+        # streamed weights saved for the backward are kept as references, not tensors: the
+        # backward takes them from the device buffer again (``streamed.py``: reused or re-copied)
+        hooks = self.streamed.saved_tensor_hooks() if self.streamed is not None else contextlib.nullcontext()
+        with torch.enable_grad(), hooks:
+            out = self._compute(leaves[0], leaves[1], LoraTensors(*leaves[2:]), scaling, counts, order, k)
+        self._done()
+        return lambda: _DeviceShare.apply((out, leaves, self), *inputs)
+
+    def _done(self) -> None:
+        if self.streamed is not None:
+            self.streamed.done()
+
+    def _route(self, local: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """(counts: [pairs computed elsewhere, pairs of device expert 0, 1, ...], order [T*k]: flat
+        pair indices sorted by device index, the others (-1) first)."""
+        flat = local.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat + 1, minlength=len(self.ids) + 1).tolist()  # the one host sync
+        return counts, order
+
+    def _compute(self, x, weights, lo: LoraTensors, scaling: float, counts: list[int], order, k: int):
+        """The formula of the module doc for every device expert with pairs -> [T, H] accum dtype."""
+        dt = self.dtype
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(dt), device=x.device)
+        lo = LoraTensors(*(t.to(dt) for t in lo))
+        w_flat = weights.reshape(-1)
+        xd = x.to(dt)
+        off = counts[0]
+        streamed: ExpertWeights | None = None
+        for j in range(len(self.ids)):
+            c = counts[j + 1]
+            if c == 0:
+                continue
+            pairs = order[off : off + c]
+            off += c
+            if j < self.num_resident:
+                src, i = self.resident.weights, j
+            else:
+                if streamed is None:  # waits (on the device) for the copy only here, after the host sync
+                    streamed = self.streamed.weights()
+                src, i = streamed, j - self.num_resident
+            tok = torch.div(pairs, k, rounding_mode="floor")
+            xe = xd.index_select(0, tok)
+            wg, wu, wd, bg, bu, bd = src.expert(i)
+            g = xe @ wg.T + scaling * (xe @ lo.gate_a[j].T) @ lo.gate_b[j].T
+            u = xe @ wu.T + scaling * (xe @ lo.up_a[j].T) @ lo.up_b[j].T
+            if bg is not None:
+                g, u = g + bg, u + bu
+            h = gated_act(g, u, src.spec)
+            d = h @ wd.T + scaling * (h @ lo.down_a[j].T) @ lo.down_b[j].T
+            if bd is not None:
+                d = d + bd
+            w = w_flat.index_select(0, pairs).to(out.dtype)
+            out = out.index_add(0, tok, d.to(out.dtype) * w[:, None])
+        return out
+
+
+class _DeviceShare(torch.autograd.Function):
+    """apply((out, leaves, device_experts), x, weights, *lora slices) -> out: attaches the device
+    share, computed on its own graph from ``leaves`` (detached copies of the inputs), to the
+    model's graph."""
+
+    @staticmethod
+    def forward(ctx, inner, *inputs):
+        out, leaves, dev = inner
+        ctx.inner = inner
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, leaves, dev = ctx.inner
+        if dev.cpu_follows:
+            prefetch_grad_out(grad)  # the CPU op's backward (next) gets the same gradient
+        if dev.streamed is not None:
+            dev.streamed.begin_backward()  # this layer's streamed weights back (reused or re-copied)
+        want = [t for t in leaves if t.requires_grad]
+        # retain_graph: the outer graph may be backwarded more than once (retain_graph=True)
+        got = iter(torch.autograd.grad(out, want, grad.to(out.dtype), allow_unused=True, retain_graph=True))
+        dev._done()
+        grads = []
+        for t in leaves:
+            g = next(got) if t.requires_grad else None
+            grads.append(torch.zeros_like(t) if g is None and t.requires_grad else g)
+        return None, *grads
