@@ -27,6 +27,7 @@ from ..checkpoint.manifest import write_manifest
 from ..distributed import barrier
 from ..log import get_logger
 from ..memory import memory_report
+from .fsdp_trainer import patch_trainer_for_fsdp2
 
 logger = get_logger(__name__)
 
@@ -103,6 +104,7 @@ def patch_tuner_module(tuner: ModuleType) -> None:
     if getattr(tuner, "_kt_ft_patched", False):
         return
     patch_optimizer_loading()
+    patch_trainer_for_fsdp2()  # wraps the optimizer loading above for kt-ft models under FSDP2
     original = tuner._training_function
 
     def _training_function(config: dict[str, Any]) -> None:
