@@ -42,6 +42,7 @@ from ..fsdp import (
     copy_full_into,
     full_optimizer_state,
     gather_full,
+    is_sharded,
     shard_optimizer_state,
     unfuse_mixed_groups,
 )
@@ -52,8 +53,12 @@ logger = get_logger(__name__)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def _kt_info_of(model: Any):
+    return getattr(model, "_kt_ft_info", None)
+
+
 def _kt_info(trainer: Any):
-    return getattr(trainer.model, "_kt_ft_info", None)
+    return _kt_info_of(trainer.model)
 
 
 def kt_fsdp2(trainer: Any) -> bool:
@@ -111,12 +116,7 @@ def setup_fsdp2(trainer: Any) -> None:
 
     def kt_prepare(*args, **kwargs):
         result = prepare(*args, **kwargs)
-        for obj in result if isinstance(result, (list, tuple)) else (result,):
-            if isinstance(obj, torch.optim.Optimizer) and unfuse_mixed_groups(obj):
-                logger.info(
-                    "FSDP2: fused/foreach optimizer kernels off where sharded and plain (expert-LoRA) parameters "
-                    "share a device (they take one device's tensors in one call; DTensor refuses the mix)"
-                )
+        _after_prepare(result if isinstance(result, (list, tuple)) else [result])
         return result
 
     accelerator.clip_grad_norm_ = types.MethodType(kt_clip_grad_norm_, accelerator)
@@ -126,6 +126,24 @@ def setup_fsdp2(trainer: Any) -> None:
         "go to fully_shard as ignored params: not sharded, not moved, not reduced by FSDP (one CPU copy per "
         f"machine; expert-LoRA grads averaged by kt-ft); the rest sharded over {accelerator.num_processes} ranks"
     )
+
+
+def _after_prepare(prepared: list[Any]) -> None:
+    """Once accelerate has run ``fully_shard``: say what it sharded, and keep the optimizer's fused
+    kernels away from groups mixing shards and plain tensors on one device."""
+    for obj in prepared:
+        if isinstance(obj, torch.nn.Module) and _kt_info_of(obj) is not None:
+            params = list(obj.parameters())
+            sharded = sum(is_sharded(p) for p in params)
+            logger.info(
+                f"FSDP2 wrapped the model: {sharded} parameters sharded (DTensor), {len(params) - sharded} kept "
+                "whole (routed experts, on the CPU)"
+            )
+        if isinstance(obj, torch.optim.Optimizer) and unfuse_mixed_groups(obj):
+            logger.info(
+                "FSDP2: fused/foreach optimizer kernels off where sharded and plain (expert-LoRA) parameters "
+                "share a device (they take one device's tensors in one call; DTensor refuses the mix)"
+            )
 
 
 def _peft_entries(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
