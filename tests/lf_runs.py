@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -25,10 +26,17 @@ TENSOR_RTOL = {"kt_expert_lora_master": 1e-4, "adapter_model": 1e-4, "fused_expe
 
 
 def start_train(
-    demo_assets: Path, out: Path, *, env: dict | None = None, recipe: Path = RECIPE, **overrides
+    demo_assets: Path,
+    out: Path,
+    *,
+    env: dict | None = None,
+    recipe: Path = RECIPE,
+    accelerate: list[str] | None = None,
+    **overrides,
 ) -> subprocess.Popen:
-    """Start the demo recipe (fp32, dataloader_num_workers 0, seed 42), or ``recipe``, with
-    ``key=value`` overrides (and extra environment variables ``env``)."""
+    """Start ``llamafactory-cli train`` on the demo recipe (fp32, dataloader_num_workers 0, seed 42),
+    or ``recipe``, with ``key=value`` overrides (and extra environment variables ``env``); with
+    ``accelerate`` (its ``launch`` options), ``accelerate launch`` on LLaMA-Factory's launcher."""
     args = {
         "model_name_or_path": demo_assets / "model",
         "dataset_dir": demo_assets / "data",
@@ -39,8 +47,13 @@ def start_train(
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 (closed by finish())
+    if accelerate is None:
+        command = [str(CLI), "train"]
+    else:
+        launcher = importlib.util.find_spec("llamafactory.launcher").origin
+        command = [str(CLI.with_name("accelerate")), "launch", *accelerate, launcher]
     proc = subprocess.Popen(
-        [str(CLI), "train", str(recipe), *(f"{k}={v}" for k, v in args.items())],
+        [*command, str(recipe), *(f"{k}={v}" for k, v in args.items())],
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=REPO,

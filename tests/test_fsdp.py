@@ -7,10 +7,12 @@ FSDP2 path run as on GPUs (torch's ``fully_shard`` itself works over gloo).
 
 Runs (``runs``: two waves of two concurrent subprocesses, the demo recipe, fp32):
   fsdp2       2 processes x batch 1 x accumulation 2, FSDP2 (``fsdp: full_shard auto_wrap``,
-              ``fsdp_config: {fsdp_version: 2, transformer_layer_cls_to_wrap: [Qwen3MoeDecoderLayer]}``),
+              ``fsdp_config: {fsdp_version: 2}``: one FSDP unit per decoder layer),
               max_grad_norm 0.5 (below the demo's gradient norms: clipping acts), checkpoint-2
   one         1 process x batch 4, same max_grad_norm
-  fsdp2_resume  FSDP2 again from fsdp2/checkpoint-2 to step 4
+  fsdp2_resume  FSDP2 again from fsdp2/checkpoint-2 to step 4, this time through
+              ``accelerate launch --config_file recipes/accelerate/fsdp2.yaml`` (LLaMA-Factory then
+              switches to non-reentrant gradient checkpointing)
   fsdp2_to_one  1 process from fsdp2/checkpoint-2 to step 4 (an FSDP2 checkpoint is an ordinary one)
 
 Tolerances as for DDP (``lf_runs.LOSS_RTOL`` / ``TENSOR_RTOL``: losses 1e-5 relative, tensors
@@ -30,10 +32,8 @@ from lf_runs import RECIPE, REPO, assert_close_runs, finish, start_train, torchr
 from kt_ft.errors import KTConfigError
 
 SHIM = REPO / "tests" / "fsdp_on_cpu"
-FSDP2_KEYS = {
-    "fsdp": "full_shard auto_wrap",
-    "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["Qwen3MoeDecoderLayer"]},
-}
+FSDP2_KEYS = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2}}  # as the README says
+ACCELERATE_CONFIG = REPO / "recipes" / "accelerate" / "fsdp2.yaml"
 
 
 def fsdp2_recipe(path, **keys):
@@ -185,7 +185,14 @@ def runs(demo_assets, tmp_path_factory):
     ckpt = root / "fsdp2" / "checkpoint-2"
     wave2 = {
         "fsdp2_resume": start_train(
-            demo_assets, root / "fsdp2_resume", **common, **fsdp2, env=env, resume_from_checkpoint=ckpt
+            demo_assets,
+            root / "fsdp2_resume",
+            **common,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=2,
+            env={"PYTHONPATH": env["PYTHONPATH"]},
+            accelerate=["--config_file", str(ACCELERATE_CONFIG), "--num_processes", "2"],
+            resume_from_checkpoint=ckpt,
         ),
         "fsdp2_to_one": start_train(
             demo_assets, root / "fsdp2_to_one", **common, **one, resume_from_checkpoint=ckpt
@@ -217,6 +224,9 @@ def test_fsdp2_matches_one_process_with_the_same_global_batch(runs):
 def test_fsdp2_checkpoint_resumes(runs, name):
     root, logs = runs
     assert "checkpoint-2" in logs[name] and "expert LoRA from" in logs[name]
+    if name == "fsdp2_resume":  # through accelerate launch and its config file: FSDP2 all the same
+        assert "FSDP2 wrapped the model: 37 parameters sharded (DTensor)" in logs[name], logs[name][-3000:]
+        assert "`use_reentrant_gc` has been set to False" in logs[name]
     assert_close_runs(root / name, root / "one", [1, 2, 3, 4])  # steps 1-2 from the checkpoint's history
 
 
@@ -258,3 +268,54 @@ def test_fsdp2_keeps_one_expert_copy_per_machine(runs):
     assert len(records) == 2
     pss = sum(r["expert_mapping"]["Pss"] for r in records)
     assert abs(pss - records[0]["expert_bytes"]) <= 0.05 * records[0]["expert_bytes"] + 8192
+
+
+# ----- the Trainer hook's own decisions (no training) -----
+
+
+def _trainer(fsdp_enabled, version=2, fsdp=("full_shard",)):
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(2, 2)
+    model._kt_ft_info = object()  # a kt-ft model
+    plugin = SimpleNamespace(fsdp_version=version, ignored_modules=None)
+    accelerator = SimpleNamespace(distributed_type="MULTI_CPU", state=SimpleNamespace(fsdp_plugin=plugin))
+    return SimpleNamespace(
+        model=model,
+        is_fsdp_enabled=fsdp_enabled,
+        accelerator=accelerator,
+        args=SimpleNamespace(fsdp=list(fsdp)),
+    )
+
+
+def test_fsdp_dropped_by_accelerate_is_said(monkeypatch):
+    """On a CPU-only machine accelerate drops the FSDP plugin (DDP trains): kt-ft says so."""
+    from kt_ft.llamafactory import fsdp_trainer
+
+    said = []
+    monkeypatch.setattr(fsdp_trainer.logger, "warning", said.append)
+    trainer = _trainer(fsdp_enabled=False)
+    fsdp_trainer.setup_fsdp2(trainer)
+    assert said and "accelerate runs MULTI_CPU here" in said[0] and "kt-ft trains with DDP" in said[0]
+    assert trainer.accelerator.state.fsdp_plugin.ignored_modules is None  # nothing touched
+    said.clear()
+    fsdp_trainer.setup_fsdp2(_trainer(fsdp_enabled=False, fsdp=()))  # FSDP not asked for: silent
+    assert not said
+
+
+def test_fsdp1_plugin_is_refused_at_trainer_start():
+    """The parser refuses FSDP1 first; should accelerate still hold a version-1 plugin, the
+    Trainer hook refuses it before anything is wrapped."""
+    from kt_ft.llamafactory import fsdp_trainer
+
+    with pytest.raises(KTConfigError, match="fsdp_version=1 with use_kt: only FSDP2 is supported"):
+        fsdp_trainer.setup_fsdp2(_trainer(fsdp_enabled=True, version=1))
+
+
+def test_ignored_modules_keep_the_recipes_own():
+    from kt_ft.llamafactory.fsdp_trainer import _ignored_modules
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert _ignored_modules("1", model) == [model[1]]  # accelerate's regex over module names
+    assert _ignored_modules([model[0]], model) == [model[0]]
+    assert _ignored_modules(None, model) == []

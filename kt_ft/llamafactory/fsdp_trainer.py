@@ -217,7 +217,7 @@ def load_adapter_into_shards(trainer: Any, checkpoint: str) -> None:
     if problems:
         raise KTConfigError(problems)
     load_kt_adapter_experts(model, checkpoint, info, trainable=True, verify=False)
-    logger.info(f"resumed PEFT adapter (into FSDP2 shards) and expert LoRA from {checkpoint}")
+    logger.info(f"loaded PEFT adapter (into FSDP2 shards) and expert LoRA from {checkpoint}")
 
 
 def load_optimizer_and_scheduler(trainer: Any, checkpoint: str) -> None:
@@ -250,6 +250,7 @@ def patch_trainer_for_fsdp2() -> None:
     save_opt = Trainer._save_optimizer_and_scheduler
     load = Trainer._load_from_checkpoint
     load_opt = Trainer._load_optimizer_and_scheduler
+    load_best = Trainer._load_best_model
 
     def create_accelerator_and_postprocess(self):
         create(self)
@@ -275,9 +276,15 @@ def patch_trainer_for_fsdp2() -> None:
             return load_opt(self, checkpoint)
         return load_optimizer_and_scheduler(self, checkpoint)
 
+    def _load_best_model(self):
+        if not kt_fsdp2(self):
+            return load_best(self)
+        return load_adapter_into_shards(self, self.state.best_model_checkpoint)  # load_best_model_at_end
+
     Trainer.create_accelerator_and_postprocess = create_accelerator_and_postprocess
     Trainer.save_model = save_model
     Trainer._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
     Trainer._load_from_checkpoint = _load_from_checkpoint
     Trainer._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+    Trainer._load_best_model = _load_best_model
     Trainer._kt_ft_fsdp2 = True

@@ -18,7 +18,10 @@ _original_init = AcceleratorState.__init__
 def _init(self, *args, fsdp_plugin=None, **kwargs):
     _original_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
     if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        # what accelerate's GPU branch does
         self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            fsdp_plugin.set_mixed_precision(self._mixed_precision)
         self.fsdp_plugin = fsdp_plugin
 
 
