@@ -71,7 +71,8 @@ def patch_optimizer_loading() -> None:
     CPU; PEFT LoRA: the GPU). The HF Trainer maps it to ``args.device`` when there are several
     processes: on a CPU run that is ``cpu:0``, a location ``torch.load`` rejects ("don't know how
     to restore data location"), and on a GPU run the expert LoRA's AdamW state would pass
-    through the GPU. Only for kt-ft models, and not under DeepSpeed or FSDP (their own loaders)."""
+    through the GPU. Only for kt-ft models, and not under DeepSpeed or FSDP (under FSDP2,
+    ``fsdp_trainer`` loads the same file into the optimizer's shards)."""
     import os
 
     import torch
