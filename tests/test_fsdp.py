@@ -60,17 +60,24 @@ def _args(demo_assets, tmp_path, **keys):
     return recipe(demo_assets, tmp_path, **keys)
 
 
+LAUNCH_ENV = (
+    "ACCELERATE_USE_FSDP",
+    "ACCELERATE_USE_DEEPSPEED",
+    "FSDP_VERSION",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING",
+)
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
-    """HF's TrainingArguments writes FSDP_CPU_RAM_EFFICIENT_LOADING into the environment."""
-    for k in (
-        "ACCELERATE_USE_FSDP",
-        "ACCELERATE_USE_DEEPSPEED",
-        "FSDP_VERSION",
-        "FSDP_CPU_RAM_EFFICIENT_LOADING",
-    ):
+    """No launcher settings in the environment, and the environment restored afterwards (HF's
+    TrainingArguments writes FSDP_CPU_RAM_EFFICIENT_LOADING into it)."""
+    saved = dict(os.environ)
+    for k in LAUNCH_ENV:
         monkeypatch.delenv(k, raising=False)
-    return monkeypatch
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_deepspeed_in_the_recipe_is_refused_before_parsing(demo_assets, tmp_path, clean_env):
@@ -319,3 +326,14 @@ def test_ignored_modules_keep_the_recipes_own():
     assert _ignored_modules("1", model) == [model[1]]  # accelerate's regex over module names
     assert _ignored_modules([model[0]], model) == [model[0]]
     assert _ignored_modules(None, model) == []
+
+
+def test_deepspeed_on_the_command_line_is_refused():
+    from kt_ft.llamafactory.parallel import check_raw_recipe
+
+    with pytest.raises(KTConfigError, match="deepspeed='ds.json' with use_kt"):
+        check_raw_recipe(["--model_name_or_path", "m", "--use_kt", "--deepspeed=ds.json"])
+    check_raw_recipe(
+        ["--use_kt", "false", "--deepspeed", "ds.json"]
+    )  # not a kt-ft run: LLaMA-Factory's business
+    check_raw_recipe(["--use_kt", "--fsdp", "full_shard"])  # FSDP: decided once parsed

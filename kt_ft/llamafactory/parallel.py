@@ -43,9 +43,29 @@ def _env_flag(name: str) -> bool:
     return _truthy(os.environ.get(name, "false"))
 
 
+def _cli_keys(argv: list[str]) -> dict[str, str]:
+    """``--key value`` / ``--key=value`` / bare ``--flag`` command-line arguments as a dict."""
+    keys: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        token = str(argv[i])
+        if token.startswith("--"):
+            key, eq, value = token[2:].partition("=")
+            if not eq:
+                has_value = i + 1 < len(argv) and not str(argv[i + 1]).startswith("--")
+                value = str(argv[i + 1]) if has_value else "true"
+                i += has_value
+            keys[key] = value
+        i += 1
+    return keys
+
+
 def check_raw_recipe(args: Any) -> None:
-    """On the recipe's raw keys, before HF parses them (with ``deepspeed`` set, HF's
-    ``TrainingArguments`` imports and configures DeepSpeed first): refuse DeepSpeed with kt-ft."""
+    """On the recipe's raw keys (a recipe file's dict, or command-line arguments), before HF
+    parses them (with ``deepspeed`` set, HF's ``TrainingArguments`` imports and configures
+    DeepSpeed first): refuse DeepSpeed with kt-ft."""
+    if isinstance(args, (list, tuple)):
+        args = _cli_keys(list(args))
     if not isinstance(args, dict) or not _truthy(args.get("use_kt", False)):
         return
     if args.get("deepspeed"):
