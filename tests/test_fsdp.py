@@ -218,9 +218,10 @@ def test_fsdp2_matches_one_process_with_the_same_global_batch(runs):
     assert "FSDP2: 2 routed-experts modules (16 params) go to fully_shard as ignored params" in log, log[
         -3000:
     ]
-    # accelerate really sharded the rest: the demo's 37 other parameters (embeddings, norms, attention,
-    # router, PEFT LoRA) are DTensors, the experts' 16 (frozen weights and LoRA) not
-    assert "FSDP2 wrapped the model: 37 parameters sharded (DTensor), 16 kept whole" in log
+    # accelerate really sharded the rest, one unit per decoder layer (2) plus the root: the demo's 37
+    # other parameters (embeddings, norms, attention, router, PEFT LoRA) are DTensors, the experts' 16
+    # (frozen weights and LoRA) not
+    assert "FSDP2 wrapped the model in 3 units: 37 parameters sharded (DTensor), 16 kept whole" in log
     assert "expert-LoRA gradients averaged across ranks 4 times this run" in log
     assert "shared by this machine's ranks: one MAP_SHARED copy" in log
     assert_close_runs(root / "fsdp2", root / "one", [1, 2, 3, 4])
@@ -232,7 +233,7 @@ def test_fsdp2_checkpoint_resumes(runs, name):
     root, logs = runs
     assert "checkpoint-2" in logs[name] and "expert LoRA from" in logs[name]
     if name == "fsdp2_resume":  # through accelerate launch and its config file: FSDP2 all the same
-        assert "FSDP2 wrapped the model: 37 parameters sharded (DTensor)" in logs[name], logs[name][-3000:]
+        assert "FSDP2 wrapped the model in 3 units: 37 parameters sharded" in logs[name], logs[name][-3000:]
         assert "`use_reentrant_gc` has been set to False" in logs[name]
     assert_close_runs(root / name, root / "one", [1, 2, 3, 4])  # steps 1-2 from the checkpoint's history
 

@@ -133,11 +133,14 @@ def _after_prepare(prepared: list[Any]) -> None:
     kernels away from groups mixing shards and plain tensors on one device."""
     for obj in prepared:
         if isinstance(obj, torch.nn.Module) and _kt_info_of(obj) is not None:
+            from torch.distributed.fsdp import FSDPModule
+
             params = list(obj.parameters())
             sharded = sum(is_sharded(p) for p in params)
+            units = sum(isinstance(m, FSDPModule) for m in obj.modules())
             logger.info(
-                f"FSDP2 wrapped the model: {sharded} parameters sharded (DTensor), {len(params) - sharded} kept "
-                "whole (routed experts, on the CPU)"
+                f"FSDP2 wrapped the model in {units} units: {sharded} parameters sharded (DTensor), "
+                f"{len(params) - sharded} kept whole (routed experts, on the CPU)"
             )
         if isinstance(obj, torch.optim.Optimizer) and unfuse_mixed_groups(obj):
             logger.info(
