@@ -233,7 +233,7 @@ def setup_data_parallel(model: nn.Module) -> ExpertGradSync | None:
     model._kt_ft_grad_sync = sync
     logger.info(
         f"data parallel: rank {topo.rank} of {topo.world_size} ({topo.local_world_size} on this machine); "
-        f"{len(ignored)} routed-expert params hidden from DDP; expert-LoRA grads ({len(params)} tensors) "
+        f"{len(ignored)} routed-expert params hidden from DDP / FSDP2; expert-LoRA grads ({len(params)} tensors) "
         "averaged over gloo before each optimizer step"
     )
     return sync

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -18,10 +19,24 @@ RECIPE = REPO / "recipes" / "demo_tiny_qwen3moe.yaml"
 CLI = Path(sys.executable).with_name("llamafactory-cli")
 MANIFEST = "kt_adapter_manifest.json"
 
+# Data-parallel runs against one process with the same global batch (tests/test_distributed.py
+# says why these hold and what was seen): losses relative; tensors max |a-b| <= rtol x max |b|.
+LOSS_RTOL = 1e-5
+TENSOR_RTOL = {"kt_expert_lora_master": 1e-4, "adapter_model": 1e-4, "fused_expert_lora": 1e-2}
 
-def start_train(demo_assets: Path, out: Path, *, env: dict | None = None, **overrides) -> subprocess.Popen:
-    """Start the demo recipe (fp32, dataloader_num_workers 0, seed 42) with ``key=value`` overrides
-    (and extra environment variables ``env``)."""
+
+def start_train(
+    demo_assets: Path,
+    out: Path,
+    *,
+    env: dict | None = None,
+    recipe: Path = RECIPE,
+    accelerate: list[str] | None = None,
+    **overrides,
+) -> subprocess.Popen:
+    """Start ``llamafactory-cli train`` on the demo recipe (fp32, dataloader_num_workers 0, seed 42),
+    or ``recipe``, with ``key=value`` overrides (and extra environment variables ``env``); with
+    ``accelerate`` (its ``launch`` options), ``accelerate launch`` on LLaMA-Factory's launcher."""
     args = {
         "model_name_or_path": demo_assets / "model",
         "dataset_dir": demo_assets / "data",
@@ -32,8 +47,13 @@ def start_train(demo_assets: Path, out: Path, *, env: dict | None = None, **over
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     log = open(out.parent / f"{out.name}.log", "w")  # noqa: SIM115 (closed by finish())
+    if accelerate is None:
+        command = [str(CLI), "train"]
+    else:
+        launcher = importlib.util.find_spec("llamafactory.launcher").origin
+        command = [str(CLI.with_name("accelerate")), "launch", *accelerate, launcher]
     proc = subprocess.Popen(
-        [str(CLI), "train", str(RECIPE), *(f"{k}={v}" for k, v in args.items())],
+        [*command, str(recipe), *(f"{k}={v}" for k, v in args.items())],
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=REPO,
@@ -93,3 +113,18 @@ def adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
     ):
         out.update({f"{name}:{k}": v for k, v in load_file(str(directory / name)).items()})
     return out
+
+
+def assert_close_runs(got_dir, want_dir, steps, loss_rtol=LOSS_RTOL):
+    want, got = step_losses(want_dir), step_losses(got_dir)
+    assert sorted(got) == steps, got
+    for s in steps:
+        assert abs(got[s] - want[s]) <= loss_rtol * abs(want[s]), f"step {s}: loss {got[s]} vs {want[s]}"
+    a, b = adapter_tensors(got_dir), adapter_tensors(want_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        rtol = TENSOR_RTOL[k.split(".safetensors")[0]]
+        err = (a[k].double() - b[k].double()).abs().max().item()
+        scale = b[k].double().abs().max().item()
+        assert err <= rtol * scale, f"{k}: max |diff| {err:.3g} > {rtol} x max |ref| {scale:.3g}"
+    assert any("fused_expert_lora" in k and k.endswith("_b") and b[k].abs().max() > 0 for k in b)

@@ -1,8 +1,9 @@
 """Patches applied to LLaMA-Factory 0.9.5 when its modules are imported (see ``kt_ft._startup``).
 
 * ``llamafactory.hparams.parser``: its ``ModelArguments`` gains kt-ft's keys (``KTArguments``
-  overrides LLaMA-Factory's own ``use_kt``), and the fork-only dependency check
-  (transformers-kt, accelerate-kt) is skipped for kt-ft runs.
+  overrides LLaMA-Factory's own ``use_kt``), the fork-only dependency check
+  (transformers-kt, accelerate-kt) is skipped for kt-ft runs, and the data-parallel engine is
+  checked (DeepSpeed and FSDP1 refused, FSDP2 allowed: ``parallel``).
 * ``llamafactory.model.loader``: ``patch_config`` (run before any weight is read) also plans the
   placement on a meta skeleton, raising rule errors early, and with CUDA swaps LLaMA-Factory's
   ``device_map={"": cuda:N}`` for the plan's (routed experts -> "cpu"); ``init_adapter`` runs
@@ -26,6 +27,7 @@ from typing import Any
 from ..errors import KTConfigError
 from ..hparams import KTArguments, recipe_source
 from ..log import get_logger
+from .parallel import check_raw_recipe, requested_engine
 
 logger = get_logger(__name__)
 
@@ -91,11 +93,21 @@ def patch_parser_module(parser: ModuleType) -> None:
     def _check_extra_dependencies(model_args, finetuning_args, training_args=None):
         if not getattr(model_args, "use_kt", False):
             return original_check(model_args, finetuning_args, training_args)
+        if training_args is not None:  # DeepSpeed / FSDP1 refused here, before LF's own checks
+            requested_engine(training_args)
         with fork_path_hidden(model_args):
             original_check(model_args, finetuning_args, training_args)
         check_kt_run(model_args, finetuning_args)
 
     parser._check_extra_dependencies = _check_extra_dependencies
+
+    original_parse_train = parser._parse_train_args
+
+    def _parse_train_args(args=None):
+        check_raw_recipe(args)  # before HF's TrainingArguments sets DeepSpeed up
+        return original_parse_train(args)
+
+    parser._parse_train_args = _parse_train_args
     parser._kt_ft_patched = True
 
 

@@ -27,6 +27,7 @@ from ..checkpoint.manifest import write_manifest
 from ..distributed import barrier
 from ..log import get_logger
 from ..memory import memory_report
+from .fsdp_trainer import patch_trainer_for_fsdp2
 
 logger = get_logger(__name__)
 
@@ -70,7 +71,8 @@ def patch_optimizer_loading() -> None:
     CPU; PEFT LoRA: the GPU). The HF Trainer maps it to ``args.device`` when there are several
     processes: on a CPU run that is ``cpu:0``, a location ``torch.load`` rejects ("don't know how
     to restore data location"), and on a GPU run the expert LoRA's AdamW state would pass
-    through the GPU. Only for kt-ft models, and not under DeepSpeed or FSDP (their own loaders)."""
+    through the GPU. Only for kt-ft models, and not under DeepSpeed or FSDP (under FSDP2,
+    ``fsdp_trainer`` loads the same file into the optimizer's shards)."""
     import os
 
     import torch
@@ -103,6 +105,7 @@ def patch_tuner_module(tuner: ModuleType) -> None:
     if getattr(tuner, "_kt_ft_patched", False):
         return
     patch_optimizer_loading()
+    patch_trainer_for_fsdp2()  # wraps the optimizer loading above for kt-ft models under FSDP2
     original = tuner._training_function
 
     def _training_function(config: dict[str, Any]) -> None:
