@@ -35,6 +35,9 @@ class ExpertPlacement:
     rule: Rule | None
     gpu_experts: GpuExpertSpec | None = None  # experts of this layer resident on the training device
     spec: Any = None  # the kernels' ExpertSpec of the family's layout (None: the default)
+    # experts of this layer streamed to the training device just in time (rule key `stream`)
+    stream_experts: GpuExpertSpec | None = None
+    placement: str = "manual"  # "auto": kt_ft/placement fills gpu_experts / stream_experts at start
 
 
 @dataclass
@@ -138,8 +141,19 @@ def make_plan(
             spec = None
         backend = kt_backend if kt_backend != "auto" else (rule.backend if rule and rule.backend else "auto")
         threads = rule.threads if rule is not None and rule.threads is not None else cpu_infer
+        placement = rule.placement if rule is not None else "manual"
         experts.append(
-            ExpertPlacement(name, layer, device, backend, threads, rule, spec, expert_spec(family, module))
+            ExpertPlacement(
+                name,
+                layer,
+                device,
+                backend,
+                threads,
+                rule,
+                spec,
+                expert_spec(family, module),
+                placement=placement,
+            )
         )
 
     module_devices = {}

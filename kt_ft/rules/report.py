@@ -17,6 +17,9 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
   L·B·S·H·a (each decoder layer's checkpointed input) + 17·B·S·H·a (one layer recomputed
   for its backward: Korthikanti et al. 2022's 34·s·b·h bytes at 2 bytes a value, fused
   attention, no s² term) + 2·B·S·V·4 (fp32 logits and their gradient).
+  With routed experts on the GPU (resident or streamed): + one recomputed layer's expert
+  activations, B·S·k·(3·I + H)·4 (worst case: every pair of the layer on the GPU; the planner's
+  reserve, ``kt_ft/placement/cost.py``).
 * CPU activations: per MoE layer B·S·(k·3·I + 2·H)·4 (the CPU op keeps gate, up and silu·up
   per routed token-expert pair and the layer's input and output in fp32 until backward).
 """
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..log import fmt_bytes
+from ..placement.cost import STREAM_BUFFERS
 from .plan import PlacementPlan
 
 TRAIN_STATE_BYTES = 16  # per trainable parameter: fp32 weight + grad + 2 AdamW moments
@@ -70,23 +74,36 @@ def _layer(name: str) -> int | None:
         return None
 
 
+def _spec_text(spec) -> str | None:
+    if spec is None:
+        return None
+    if spec.ids is None:
+        return f"{spec.count}"
+    ids = list(spec.ids)
+    return f"ids {ids}" if len(ids) <= 8 else f"{len(ids)} ids [{ids[0]}, {ids[1]}, ..., {ids[-1]}]"
+
+
 def _expert_groups(plan: PlacementPlan) -> list[dict]:
     groups: list[dict] = []
     for e in plan.experts:
-        gpu = e.gpu_experts
-        gpu_text = (
-            None if gpu is None else (f"ids {list(gpu.ids)}" if gpu.ids is not None else f"{gpu.count}")
-        )
-        key = (e.device, e.backend, e.threads, gpu_text)
+        gpu_text = _spec_text(e.gpu_experts)
+        stream_text = _spec_text(getattr(e, "stream_experts", None))
+        auto = getattr(e, "placement", "manual") == "auto"
+        key = (e.device, e.backend, e.threads, gpu_text, stream_text, auto)
         if groups and groups[-1]["key"] == key:
             groups[-1]["layers"].append(e.layer)
         else:
             groups.append({"key": key, "layers": [e.layer]})
     out = []
     for g in groups:
-        device, backend, threads, gpu_text = g["key"]
+        device, backend, threads, gpu_text, stream_text, auto = g["key"]
         what = f"layers {_ranges(g['layers'])} routed experts"
-        how = f"{device} {backend} {threads} threads" + (f", gpu_experts {gpu_text}" if gpu_text else "")
+        how = (
+            f"{device} {backend} {threads} threads"
+            + (", placement auto" if auto else "")
+            + (f", gpu_experts {gpu_text}" if gpu_text else "")
+            + (f", stream {stream_text}" if stream_text else "")
+        )
         out.append({"what": what, "device": _device(device), "how": how, "layers": g["layers"]})
     return out
 
@@ -121,15 +138,21 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
         dev(d)["param_bytes"] += p.numel() * elt
 
     lora = {"peft_params": 0, "expert_params": 0}
+    stream_buffer = 0  # bytes of the layer streaming the most
+    gpu_expert_act = 0  # one recomputed layer's GPU expert activations (worst case)
+    k = getattr(_text_config(model), "num_experts_per_tok", 1)
+    tokens = sizes.batch * sizes.cutoff_len
     for e in plan.experts:
         num, hidden, inter = _expert_dims(model, e)
-        on_gpu = 0
-        if e.gpu_experts is not None:
-            on_gpu = len(e.gpu_experts.ids) if e.gpu_experts.ids is not None else e.gpu_experts.count
+        on_gpu = _count(e.gpu_experts)
+        streamed = _count(getattr(e, "stream_experts", None))
         per_expert = expert_numel[e.name] * elt // num
         dev(_device(e.device))["param_bytes"] += per_expert * num  # resident ones too: a copy goes to the GPU
         if on_gpu:
             dev(train_dev)["param_bytes"] += per_expert * on_gpu
+        stream_buffer = max(stream_buffer, per_expert * streamed)
+        if on_gpu or streamed:
+            gpu_expert_act = max(gpu_expert_act, tokens * k * (3 * inter + hidden) * 4)
         n = 3 * num * sizes.lora_rank * (hidden + inter)
         lora["expert_params"] += n
         dev("cpu")["lora_params"] += n
@@ -141,16 +164,16 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
         n = sizes.lora_rank * (m.in_features + m.out_features)
         lora["peft_params"] += n
         dev(_device(plan.module_devices.get(name, "cuda")))["lora_params"] += n
+    if stream_buffer:
+        dev(train_dev)["param_bytes"] += STREAM_BUFFERS * stream_buffer
     for d in devices.values():
         d["train_state_bytes"] = d["lora_params"] * TRAIN_STATE_BYTES
 
     # activations
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = _text_config(model)
     H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
-    k = getattr(text, "num_experts_per_tok", 1)
     a = 2 if elt == 2 else 4
-    tokens = sizes.batch * sizes.cutoff_len
-    gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + 2 * tokens * V * 4
+    gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + 2 * tokens * V * 4 + gpu_expert_act
     cpu_act = 0
     for e in plan.experts:
         inter = _expert_dims(model, e)[2]
@@ -219,6 +242,17 @@ def format_report(report: dict, model_dir: str) -> str:
     lines += [f"note: {n}" for n in report["notes"]]
     lines += [f"refused at load in this version: {r}" for r in report["refusals"]]
     return "\n".join(lines)
+
+
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _count(spec) -> int:
+    """Experts a gpu_experts / stream_experts spec names on a layer (0: none)."""
+    if spec is None:
+        return 0
+    return len(spec.ids) if spec.ids is not None else (spec.count or 0)
 
 
 def _expert_dims(model, placement) -> tuple[int, int, int]:
