@@ -85,11 +85,28 @@ class KTExperts(nn.Module):
         ).items():
             setattr(self, name, nn.Parameter(t))
         self.runner = ExpertRunner(backend, base, scaling, chunk_size, threads)
-        self.resident = ResidentExperts(base, resident_ids) if resident_ids else None
-        if self.resident is not None:
-            self.runner.out_dtype = accum_dtype(base.gate_up.dtype)  # summed with the device part
-            if resident_device is not None:
-                self.resident.to_device(resident_device)
+        self.resident: ResidentExperts | None = None
+        self.set_resident(resident_ids, resident_device)
+        # routing counts per expert [E] int64 on the router's device, accumulated while training
+        # when ``count_routing`` is set (placement: auto's re-planning reads and resets them)
+        self.count_routing = False
+        self.routing_counts: torch.Tensor | None = None
+
+    def set_resident(self, ids, device: torch.device | None = None) -> None:
+        """Make experts ``ids`` (empty: none) the GPU-resident ones; their weights are copied to
+        ``device`` now, else to the input's device at the next forward (the previous ones' device
+        if there were). Call between steps: a layer's first pass and recompute must see one set."""
+        old = self.resident
+        ids = tuple(sorted(ids))
+        if old is not None and old.ids == ids:
+            return
+        base = self.runner.base
+        self.resident = ResidentExperts(base, ids) if ids else None
+        # the CPU op's output is summed with the device part in float32 when there is one
+        self.runner.out_dtype = accum_dtype(base.gate_up.dtype) if ids else None
+        device = device if device is not None else (old.device if old is not None else None)
+        if self.resident is not None and device is not None:
+            self.resident.to_device(device)
 
     def lora_tensors(self) -> LoraTensors:
         return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
@@ -100,6 +117,11 @@ class KTExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         lora = self.lora_tensors()
+        if self.count_routing and self.training:
+            # on the router's device, no host sync; both passes of a checkpointed layer count,
+            # which scales every expert alike (the re-planner compares distributions)
+            c = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)
+            self.routing_counts = c if self.routing_counts is None else self.routing_counts + c
         # first pass of a reentrant-checkpointed layer: keep the CPU result for its recompute
         first_pass = not torch.is_grad_enabled() and self.training and any(p.requires_grad for p in lora)
         res = self.resident
