@@ -136,8 +136,18 @@ def _bench(args: argparse.Namespace) -> int:
         raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
     parts = args.parts.split(",")
     for part in parts:
-        if part not in ("op", "step"):
-            raise KTConfigError(f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step")
+        if part not in ("op", "step", "placement"):
+            raise KTConfigError(
+                f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step, placement"
+            )
+    try:
+        caps = [float(c) for c in args.caps.split(",")]
+    except ValueError:
+        caps = []
+    if not caps or any(not c > 0 for c in caps):
+        raise KTConfigError(
+            f"--caps {args.caps!r}: expected comma-separated positive GiB, e.g. 8,16,24,40,80"
+        )
     systems = args.systems.split(",")
     for s in systems:
         if s not in SYSTEMS:
@@ -155,6 +165,16 @@ def _bench(args: argparse.Namespace) -> int:
         layers = [int(v) for v in args.layers.split(",")] if args.layers else None
         records += run_step(args.preset, layers, args.seq, systems, step_backends, args.threads,
                             args.steps, args.gpu_cap)  # fmt: skip
+    if "placement" in parts:
+        from .bench_placement import plot_placement, run_placement
+
+        layers = [int(v) for v in args.layers.split(",")] if args.layers else [None]
+        step_backends = [b for b in backends if b != "reference"] or ["auto"]
+        placed = run_placement(args.preset, layers[-1], args.seq, caps, step_backends[0], args.threads, args.steps,
+                               all_gpu="peft-gpu" in systems)  # fmt: skip
+        records += placed
+        if args.plot and placed:
+            plot_placement(placed, args.plot)
     if args.json:
         write_json(args.json, args.threads, records)
     return 0
@@ -203,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is kept)")
     bench.add_argument("--json", default=None, help="also write the records to this JSON file")
     bench.add_argument(
-        "--parts", default="op,step", help="op (the CPU expert op alone), step (full training step)"
+        "--parts",
+        default="op,step",
+        help="op (the CPU expert op alone), step (full training step), placement (tokens/s against the GPU "
+        "memory cap per expert placement)",
     )
     bench.add_argument(
         "--systems", default="kt-ft,peft-gpu,offload", help="full-step systems: kt-ft, peft-gpu, offload"
@@ -212,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers", default=None, help="decoder layers in the full step, comma-separated counts (default 4)"
     )
     bench.add_argument("--seq", type=int, default=2048, help="tokens per full training step")
+    bench.add_argument(
+        "--caps",
+        default=",".join(f"{c:g}" for c in (8, 16, 24, 40, 80)),
+        help="placement part: GPU memory caps in GiB for the full model, comma-separated",
+    )
+    bench.add_argument(
+        "--plot", default=None, help="placement part: draw tokens/s against the cap into this PNG"
+    )
     bench.add_argument("--steps", type=int, default=3, help="timed full steps (after one warm-up; best kept)")
     bench.add_argument(
         "--gpu-cap", type=float, default=24.0, help="offload's GPU memory cap in GiB, for the full model"

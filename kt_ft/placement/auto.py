@@ -124,11 +124,14 @@ def plan_auto(
     cap_bytes: int | None,
     popularity: dict[int, Sequence[float]] | None = None,
     allow_stream: bool | None = None,
+    expert_budget_bytes: int | None = None,
 ) -> Choice | None:
     """Choose and write ``gpu_experts`` / ``stream_experts`` (ids) of every ``placement: auto`` layer.
 
     ``cap_bytes``: GPU memory the whole run may take on the training device (None: nothing on the
-    GPU). Returns the planner's choice (None: no auto layer)."""
+    GPU); ``expert_budget_bytes`` instead gives the auto-placed experts' share directly (the bench
+    scales a full model's budget to its reduced layer count). Returns the planner's choice (None:
+    no auto layer)."""
     autos = auto_layers(plan)
     if not autos:
         return None
@@ -139,7 +142,13 @@ def plan_auto(
         .get(training_device_key(plan), {})
         .get("total_bytes", 0)
     )
-    budget = None if cap_bytes is None else cap_bytes - base
+    budget = (
+        expert_budget_bytes
+        if expert_budget_bytes is not None
+        else None
+        if cap_bytes is None
+        else cap_bytes - base
+    )
     inputs = [
         PlannerInput(e.layer, layer_shape(model, e, dtype), (popularity or {}).get(e.layer)) for e in autos
     ]
@@ -156,7 +165,7 @@ def plan_auto(
     for e, split in zip(autos, choice.splits, strict=True):
         e.gpu_experts = GpuExpertSpec(None, split.resident, None) if split.resident else None
         e.stream_experts = GpuExpertSpec(None, split.streamed, None) if split.streamed else None
-    if cap_bytes is not None:
+    if cap_bytes is not None and expert_budget_bytes is None:
         choice.notes.insert(
             0,
             f"GPU cap {fmt_bytes(cap_bytes)} - {fmt_bytes(base)} for everything but the auto-placed experts "

@@ -148,35 +148,45 @@ def measure_cpu_flops(shape: LayerShape, backend: str, threads: int, tokens: int
     return t * k * LayerShape(experts, shape.hidden, shape.inter, k).pair_flops(rank) / rec.seconds
 
 
-def measure_link_bytes_s(nbytes: int = 256 * 2**20) -> float:
+def _sync(device: str) -> Callable[[], None]:
     import torch
 
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    return nbytes / _best(lambda: dst.copy_(src, non_blocking=True), 5, torch.cuda.synchronize)
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
-def measure_gpu_flops(n: int = 8192) -> float:
+def measure_link_bytes_s(nbytes: int = 256 * 2**20, device: str = "cuda") -> float:
+    """Host -> ``device`` copy rate from pinned memory (``cpu``: a plain memory copy, for the bench's
+    CPU-only smoke run where the "GPU" is the CPU)."""
     import torch
 
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    cuda = device.startswith("cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src = src.pin_memory() if cuda else src
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _best(lambda: dst.copy_(src, non_blocking=cuda), 5, _sync(device))
+
+
+def measure_gpu_flops(n: int = 8192, device: str = "cuda") -> float:
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
 
     def run():
         for _ in range(5):
             a @ b
 
-    return 5 * 2 * n**3 / _best(run, 3, torch.cuda.synchronize)
+    return 5 * 2 * n**3 / _best(run, 3, _sync(device))
 
 
-def measure_gpu_expert_flops(shape: LayerShape, tokens: int) -> float:
+def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda") -> float:
     """Forward of 16 experts one after another at the layer's rows per expert (products and
     launches as the resident experts run them), counted as 6·H·I FLOPs a row."""
     import torch
 
     e, h, i = min(16, shape.num_experts), shape.hidden, shape.inter
     m = rows_per_expert(shape, tokens)
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = device, torch.bfloat16
     gate_up = torch.randn(e, 2 * i, h, device=dev, dtype=bf) * h**-0.5
     down = torch.randn(e, h, i, device=dev, dtype=bf) * i**-0.5
     x = torch.randn(m, h, device=dev, dtype=bf)
@@ -186,7 +196,24 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int) -> float:
             g = x @ gate_up[j].T
             (torch.nn.functional.silu(g[:, :i]) * g[:, i:]) @ down[j].T
 
-    return e * 6 * h * i * m / _best(run, 3, torch.cuda.synchronize)
+    return e * 6 * h * i * m / _best(run, 3, _sync(device))
+
+
+def device_rates_on_cpu(rates: Rates, shape: LayerShape, tokens: int) -> Rates:
+    """``rates`` with the link and GPU figures measured on the CPU device (not cached): the bench's
+    CPU-only smoke run, where resident experts live on the CPU device, plans with them."""
+    return Rates(
+        rates.cpu_flops,
+        measure_link_bytes_s(64 * 2**20, "cpu"),
+        measure_gpu_flops(512, "cpu"),
+        measure_gpu_expert_flops(shape, tokens, "cpu"),
+        {
+            **rates.source,
+            "link_bytes_s": "CPU device",
+            "gpu_flops": "CPU device",
+            "gpu_expert_flops": "CPU device",
+        },
+    )
 
 
 def _load_cache() -> dict:
