@@ -112,3 +112,11 @@ def test_replanner_checks_every_n_steps_and_threshold(tmp_path):
     for m in kt_layers(model):
         m.routing_counts = torch.tensor([9, 1, 0, 0, 0, 0, 0, 0])
     assert rp.step(4) and calls == [pytest.approx(0.5 * (0.775 + 0.025 + 6 * 0.125))]
+
+
+def test_replanner_is_idle_without_gpu_rates(tmp_path):
+    model, ctx, _ = auto_model(tmp_path, 3)
+    ctx.rates = Rates(cpu_flops=1e9)
+    rp = Replanner(ctx, every=1, threshold=0.01)
+    assert not any(m.count_routing for m in kt_layers(model))
+    assert not rp.step(1)

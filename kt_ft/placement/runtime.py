@@ -116,8 +116,10 @@ class Replanner:
         self.modules = self._modules()
         self.planned_with: dict[int, list[float]] = {}  # layer -> counts of the current split (none: uniform)
         self.replans = 0
+        # without link / GPU rates every expert stays on the CPU whatever the counts: count nothing
+        self.active = ctx.rates.has_gpu
         for m in self.modules.values():
-            m.count_routing = True
+            m.count_routing = self.active
 
     def _modules(self) -> dict[int, torch.nn.Module]:
         from ..moe.experts import KTExperts
@@ -141,7 +143,7 @@ class Replanner:
 
     def step(self, global_step: int) -> bool:
         """Called after each optimizer step; returns True when the split changed."""
-        if self.every <= 0 or global_step % self.every:
+        if not self.active or self.every <= 0 or global_step % self.every:
             return False
         counts = self.take_counts()
         if not counts:
