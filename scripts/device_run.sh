@@ -20,9 +20,9 @@ THREADS=${THREADS:-$(nproc)}
   python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
   python3 -c "import kt_kernel; print('kt_kernel variant', kt_kernel.__cpu_variant__)"
 } 2>&1 | tee "$OUT/env.txt"
-PARTS=${PARTS:-tests,op,step}
+PARTS=${PARTS:-tests,op,step}  # also: overlap
 [[ $PARTS == *tests* ]] && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py \
+  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py \
   2>&1 | tee "$OUT/pytest.log"
 [[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --parts op \
   --tokens "${TOKENS:-512,2048,4096}" --threads "$THREADS" --repeat 2 --json "$OUT/bench.json" 2>&1 \
@@ -31,5 +31,12 @@ for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
   [[ $PARTS == *step* ]] && timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "$preset" --parts step \
     --layers "${STEP_LAYERS:-2,4}" --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/step-$preset.json" 2>&1 \
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/step-$preset.log"
+done
+# shared experts beside the CPU op (kt_ft/moe/beside.py): the same kt-ft step with the overlap off / on
+for ov in 0 1; do
+  [[ $PARTS == *overlap* ]] && KT_FT_OVERLAP_SHARED=$ov timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft.cli bench \
+    --preset "${OVERLAP_PRESET:-deepseek-v2-lite}" --parts step --systems kt-ft --layers "${OVERLAP_LAYERS:-3}" \
+    --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/overlap-$ov.json" 2>&1 \
+    | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/overlap-$ov.log"
 done
 exit 0

@@ -30,6 +30,7 @@ from ..kernels.base import (
     accum_dtype,
 )
 from ..lora.fused import init_expert_lora
+from .beside import SharedBeside
 from .function import CPUExpertsFunction, ExpertRunner
 from .resident import ResidentExperts
 
@@ -87,6 +88,8 @@ class KTExperts(nn.Module):
         self.runner = ExpertRunner(backend, base, scaling, chunk_size, threads)
         self.resident: ResidentExperts | None = None
         self.set_resident(resident_ids, resident_device)
+        # the block's shared experts, started beside the CPU op (``beside.py``; set by the patch)
+        self.beside: SharedBeside | None = None
         # routing counts per expert [E] int64 on the router's device, accumulated while training
         # when ``count_routing`` is set (placement: auto's re-planning reads and resets them)
         self.count_routing = False
@@ -129,13 +132,17 @@ class KTExperts(nn.Module):
             res.to_device(hidden_states.device)
             weights = top_k_weights
             local, top_k_index, top_k_weights = res.split(top_k_index, weights)
-            # order matters on a GPU: start the CPU op's input copies, then queue the resident
-            # experts' kernels, then block in the CPU op -- the GPU computes meanwhile; the
-            # resident share joins the graph after the CPU op so the backward keeps that order
+        if res is not None or self.beside is not None:
+            # order matters on a GPU: start the CPU op's input copies, then queue the GPU work
+            # (shared experts, resident experts), then block in the CPU op -- the GPU computes
+            # meanwhile; that work joins the graph after the CPU op so the backward keeps the order
             needs_grad = torch.is_grad_enabled() and any(
                 t.requires_grad for t in (hidden_states, top_k_weights, *lora)
             )  # what CPUExpertsFunction will see (ctx.needs_input_grad)
             self.runner.prefetch(hidden_states, top_k_index, top_k_weights, first_pass, needs_grad)
+        if self.beside is not None:
+            self.beside.start(hidden_states)
+        if res is not None:
             finish = res.start(hidden_states, local, weights, lora, self.scaling)
         if first_pass:
             out = self.runner.forward_and_stash(hidden_states, top_k_index, top_k_weights, lora)

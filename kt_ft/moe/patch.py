@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ from ..kernels.base import DEFAULT_SPEC
 from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
 from ..rules.plan import PlacementPlan
+from .beside import install_shared_beside
 from .experts import KTExperts
 from .resident import pick_resident_ids
 
@@ -62,6 +64,9 @@ def replace_routed_experts(
     lora_params = expert_bytes = 0
     num_experts = 0
     peft_wrapped = False
+    # KT_FT_OVERLAP_SHARED=0: the block's own order (shared experts not started beside the CPU op)
+    overlap_shared = os.environ.get("KT_FT_OVERLAP_SHARED", "1") != "0"
+    overlapped: set[str] = set()
     for place in plan.experts:
         parent_name, _, child = place.name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -99,9 +104,15 @@ def replace_routed_experts(
             resident_ids=ids,
         )
         setattr(parent, child, kt)
+        if overlap_shared:
+            how = install_shared_beside(parent, kt, parent_name)
+            if how is not None:
+                overlapped.add(how)
         num_experts = kt.num_experts
         lora_params += sum(t.numel() for t in kt.lora_tensors())
         expert_bytes += sum(p.numel() * p.element_size() for p in kt.base_parameters())
+    if overlapped:
+        logger.info(f"shared experts: {'; '.join(sorted(overlapped))} (KT_FT_OVERLAP_SHARED=0 turns it off)")
     names = ", ".join(sorted({b.name for b, _ in backends.values()}))
     reasons = "; ".join(sorted({r for _, r in backends.values()}))
     threads = plan.experts[0].threads if plan.experts else None
