@@ -118,6 +118,8 @@ class StepRecord:
     peak_rss_bytes: int
     losses: list[float] = field(default_factory=list)
     note: str = ""
+    cap_gib: float | None = None  # placement bench: the GPU memory cap of the full model
+    predicted_s: float | None = None  # placement bench: the cost model's step time
 
 
 def build_model_dir(preset: str, layers: int, out: Path, seed: int = 0) -> tuple[Path, float]:
@@ -145,7 +147,9 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int):
+def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int, placement=None):
+    """kt-ft's model; ``placement``: None (the family's rule: every expert on the CPU) or a
+    ``bench_placement.Placement`` (the rule it writes, the planner's budget and rates)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig
@@ -158,15 +162,19 @@ def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int):
 
     config = AutoConfig.from_pretrained(model_dir)
     family = family_of(config)
-    rules = load_rules(resolve_rule_path(family.builtin_rule))
+    rule_path = resolve_rule_path(family.builtin_rule) if placement is None else placement.rule_file(family)
+    rules = load_rules(rule_path)
     # routed experts read by kt-ft straight into CPU RAM (one copy), the rest to the device
     device_map, load_plan = planned_device_map(config, rules, family, backend, threads, str(device))
     model = load_planned(model_dir, device_map, load_plan, dtype=torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=ATTN))
     plan = make_plan(model, rules, family, backend, threads)
+    note = ""
+    if placement is not None:
+        note = placement.apply(model, plan, seq) + "; "
     summary = replace_routed_experts(model, plan, LORA_RANK, lora_scaling(LORA_ALPHA, LORA_RANK), seq, seed=0)
     model.to(device)  # what the HF Trainer does; KTExperts stay on the CPU
-    return model, f"backend {summary.backend}, {summary.threads} threads"
+    return model, f"{note}backend {summary.backend}, {summary.threads} threads"
 
 
 def _peft_config(with_experts: bool):
@@ -248,9 +256,16 @@ def worker(args: argparse.Namespace) -> StepRecord:
     device = torch.device("cuda:0" if cuda else "cpu")
     torch.set_num_threads(args.threads)
     name = args.system
+    placement = None
+    if args.system == "kt-ft" and args.placement is not None:
+        from .bench_placement import Placement
+
+        placement = Placement(
+            args.placement, args.preset, args.gpu_cap_gib, args.threads, args.backend, args.expert_budget
+        )
     if args.system == "kt-ft":
-        model, note = _load_kt(args.model, device, args.backend, args.threads, args.seq)
-        name = f"kt-ft[{args.backend}]"
+        model, note = _load_kt(args.model, device, args.backend, args.threads, args.seq, placement)
+        name = f"kt-ft[{args.backend}]" if placement is None else f"kt-ft[{args.placement}]"
     elif args.system == "peft-gpu":
         model, note = _load_peft(args.model, device, {"": device})
         name = "peft-gpu" if cuda else "peft-cpu"  # without CUDA the "all on the GPU" system runs on the CPU
@@ -294,7 +309,7 @@ def worker(args: argparse.Namespace) -> StepRecord:
     if runners:  # how much of the step the CPU experts take: what overlapping could hide is the rest
         i = times.index(best)
         note += f"; CPU expert op {busy[i] * 1e3:.0f} ms of the step ({busy[i] / best:.0%})"
-    return StepRecord(
+    rec = StepRecord(
         name=name,
         kind="step",
         preset=args.preset,
@@ -308,6 +323,10 @@ def worker(args: argparse.Namespace) -> StepRecord:
         losses=losses,
         note=note,
     )
+    if placement is not None:
+        rec.kind, rec.predicted_s = "placement", placement.predicted_s
+        rec.cap_gib = args.gpu_cap_gib if args.expert_budget is not None else None
+    return rec
 
 
 def run_step(
@@ -423,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu-cap-gib", type=float, default=24.0)
+    p.add_argument("--placement", choices=["cpu", "auto", "stream"], default=None,
+                   help="kt-ft: placement bench system (kt_ft/bench_placement.py); default: the family rule")  # fmt: skip
+    p.add_argument(
+        "--expert-budget", type=int, default=None, help="placement auto: the routed experts' GPU bytes"
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     rec = worker(args)

@@ -72,13 +72,60 @@ def _rules_check(args: argparse.Namespace) -> int:
 def _rules_plan(args: argparse.Namespace) -> int:
     import json
 
+    from .placement.auto import auto_layers, format_placement
+    from .placement.measure import parse_overrides
     from .rules.report import TrainSizes, check_budgets, estimate, format_report
 
+    overrides = parse_overrides(args.rates)
     _, model, plan, dtype = _rule_and_model(args.rule, args.model, args.cpu_infer, args.kt_backend)
-    report = estimate(model, plan, dtype, TrainSizes(args.cutoff_len, args.batch, args.lora_rank))
+    sizes = TrainSizes(args.cutoff_len, args.batch, args.lora_rank)
+    section = None
+    if auto_layers(plan) or overrides or args.remeasure:
+        section = _placement(model, plan, dtype, sizes, overrides, args.gpu_mem, args.remeasure)
+    report = estimate(model, plan, dtype, sizes)  # after placement: auto wrote its split into the plan
     check_budgets(report, args.gpu_mem, args.cpu_mem)
-    print(json.dumps(report, indent=2) if args.json else format_report(report, args.model))
+    if section is not None:
+        report["placement"] = section
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report, args.model) + (format_placement(section) if section else ""))
     return 0 if all(d.get("fits", True) for d in report["devices"].values()) else 1
+
+
+def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict:
+    """Rates (overrides, the cache, or measured here), the auto split, and the prediction block."""
+    import torch
+
+    from .kernels import select_backend
+    from .placement.auto import layer_shape, placement_section, plan_auto
+    from .placement.measure import describe, machine_rates
+
+    first = plan.experts[0]
+    shape = layer_shape(model, first, dtype)
+    backend = select_backend(first.backend, torch.bfloat16)[0].name
+    rates = machine_rates(
+        shape,
+        backend,
+        first.threads or 1,
+        sizes.cutoff_len * sizes.batch,
+        sizes.lora_rank,
+        remeasure,
+        overrides,
+    )
+    cap = None
+    if gpu_mem is not None:
+        cap = int(gpu_mem * 2**30)
+    elif torch.cuda.is_available():
+        cap = torch.cuda.mem_get_info(0)[0]
+    elif rates.has_gpu and any(e.placement == "auto" for e in plan.experts):
+        raise KTConfigError(
+            "placement: auto with GPU rates needs a GPU memory cap here (no CUDA device to read it from): give --gpu-mem GiB"
+        )
+    choice = plan_auto(model, plan, dtype, sizes, rates, cap)
+    return placement_section(
+        model, plan, dtype, sizes, rates, choice, describe(rates, shape, sizes.lora_rank)
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -89,8 +136,18 @@ def _bench(args: argparse.Namespace) -> int:
         raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
     parts = args.parts.split(",")
     for part in parts:
-        if part not in ("op", "step"):
-            raise KTConfigError(f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step")
+        if part not in ("op", "step", "placement"):
+            raise KTConfigError(
+                f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step, placement"
+            )
+    try:
+        caps = [float(c) for c in args.caps.split(",")]
+    except ValueError:
+        caps = []
+    if not caps or any(not c > 0 for c in caps):
+        raise KTConfigError(
+            f"--caps {args.caps!r}: expected comma-separated positive GiB, e.g. 8,16,24,40,80"
+        )
     systems = args.systems.split(",")
     for s in systems:
         if s not in SYSTEMS:
@@ -108,6 +165,16 @@ def _bench(args: argparse.Namespace) -> int:
         layers = [int(v) for v in args.layers.split(",")] if args.layers else None
         records += run_step(args.preset, layers, args.seq, systems, step_backends, args.threads,
                             args.steps, args.gpu_cap)  # fmt: skip
+    if "placement" in parts:
+        from .bench_placement import plot_placement, run_placement
+
+        layers = [int(v) for v in args.layers.split(",")] if args.layers else [None]
+        step_backends = [b for b in backends if b != "reference"] or ["auto"]
+        placed = run_placement(args.preset, layers[-1], args.seq, caps, step_backends[0], args.threads, args.steps,
+                               all_gpu="peft-gpu" in systems)  # fmt: skip
+        records += placed
+        if args.plot and placed:
+            plot_placement(placed, args.plot)
     if args.json:
         write_json(args.json, args.threads, records)
     return 0
@@ -156,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=3, help="timed repetitions (best is kept)")
     bench.add_argument("--json", default=None, help="also write the records to this JSON file")
     bench.add_argument(
-        "--parts", default="op,step", help="op (the CPU expert op alone), step (full training step)"
+        "--parts",
+        default="op,step",
+        help="op (the CPU expert op alone), step (full training step), placement (tokens/s against the GPU "
+        "memory cap per expert placement)",
     )
     bench.add_argument(
         "--systems", default="kt-ft,peft-gpu,offload", help="full-step systems: kt-ft, peft-gpu, offload"
@@ -165,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers", default=None, help="decoder layers in the full step, comma-separated counts (default 4)"
     )
     bench.add_argument("--seq", type=int, default=2048, help="tokens per full training step")
+    bench.add_argument(
+        "--caps",
+        default=",".join(f"{c:g}" for c in (8, 16, 24, 40, 80)),
+        help="placement part: GPU memory caps in GiB for the full model, comma-separated",
+    )
+    bench.add_argument(
+        "--plot", default=None, help="placement part: draw tokens/s against the cap into this PNG"
+    )
     bench.add_argument("--steps", type=int, default=3, help="timed full steps (after one warm-up; best kept)")
     bench.add_argument(
         "--gpu-cap", type=float, default=24.0, help="offload's GPU memory cap in GiB, for the full model"
@@ -214,6 +292,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-infer", type=int, default=None, help="CPU threads (default: physical cores minus a few)"
     )
     rp.add_argument("--kt-backend", default="auto", help="the recipe's kt_backend")
+    rp.add_argument(
+        "--rates",
+        default=None,
+        help="machine rates for the placement cost model instead of the cached/measured ones, e.g. "
+        "cpu_token_us=90,link_gbps=55,gpu_tflops=400 (keys: cpu_token_us, cpu_pair_us, cpu_tflops, link_gbps, "
+        "gpu_tflops, gpu_expert_tflops); also prints the prediction for a manual placement",
+    )
+    rp.add_argument(
+        "--remeasure", action="store_true", help="measure this machine's rates again (cache refreshed)"
+    )
     rp.add_argument("--json", action="store_true", help="print the numbers as JSON")
     rp.set_defaults(func=_rules_plan)
     return p

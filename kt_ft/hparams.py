@@ -100,6 +100,35 @@ class KTArguments:
         },
     )
 
+    kt_gpu_memory: float | None = field(
+        default=None,
+        metadata={
+            "help": "kt-ft placement: auto: GiB of the training GPU the run may use (routed experts resident or "
+            "streamed there share it with everything else). Default: the GPU's free memory at start."
+        },
+    )
+    kt_remeasure: bool = field(
+        default=False,
+        metadata={
+            "help": "kt-ft placement: auto: measure this machine's CPU / link / GPU rates again instead of using "
+            "~/.cache/kt-ft/rates.json."
+        },
+    )
+    kt_replan_steps: int = field(
+        default=0,
+        metadata={
+            "help": "kt-ft placement: auto: every this many optimizer steps, compare each layer's routing counts "
+            "with those of the last plan and re-plan the GPU-resident experts when they drifted (0: never)."
+        },
+    )
+    kt_replan_threshold: float = field(
+        default=0.1,
+        metadata={
+            "help": "kt-ft placement: auto: re-plan when a layer's routing distribution moved by more than this "
+            "total variation distance (0-1) since the last plan."
+        },
+    )
+
     def __post_init__(self) -> None:
         parent = super()
         if hasattr(parent, "__post_init__"):
@@ -141,6 +170,25 @@ class KTArguments:
                     load_rules(rule_path)  # syntax and values now; matching once the model exists
                 except KTConfigError as e:
                     problems.extend(e.problems)
+        if self.kt_gpu_memory is not None and (
+            isinstance(self.kt_gpu_memory, bool)
+            or not isinstance(self.kt_gpu_memory, int | float)
+            or not self.kt_gpu_memory > 0
+        ):
+            problems.append(
+                f"{src}: kt_gpu_memory={self.kt_gpu_memory!r} is invalid: expected a positive number of GiB "
+                "(or leave it out: the GPU's free memory at start)"
+            )
+        steps = self.kt_replan_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            problems.append(
+                f"{src}: kt_replan_steps={steps!r} is invalid: expected a non-negative integer (0: never re-plan)"
+            )
+        tvd = self.kt_replan_threshold
+        if isinstance(tvd, bool) or not isinstance(tvd, int | float) or not 0 < tvd <= 1:
+            problems.append(
+                f"{src}: kt_replan_threshold={tvd!r} is invalid: expected a total variation distance in (0, 1]"
+            )
         for key in FORK_ONLY_KEYS:
             if getattr(self, key, None) is not None:
                 problems.append(
@@ -150,6 +198,13 @@ class KTArguments:
         if problems:
             raise KTConfigError(problems)
 
-    def apply_kt_config(self, *args, **kwargs) -> None:
-        """LLaMA-Factory calls this for its fork path (env vars for accelerate-kt); kt-ft needs none."""
+    def apply_kt_config(
+        self, finetuning_args=None, training_args=None, model_max_length=None, *args, **kwargs
+    ) -> None:
+        """LLaMA-Factory calls this (for its fork path: env vars for accelerate-kt) once the training
+        arguments exist; kt-ft only notes the tokens per micro-batch (cutoff_len x
+        per_device_train_batch_size) for ``placement: auto``."""
+        batch = getattr(training_args, "per_device_train_batch_size", None)
+        if model_max_length and batch:
+            self._kt_ft_micro_batch = (int(model_max_length), int(batch))
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -63,4 +64,34 @@ def test_bench_unknown_part_is_an_error():
     proc = subprocess.run(
         [sys.executable, "-m", "kt_ft.cli", "bench", "--parts", "op,speed"], capture_output=True, text=True
     )
-    assert proc.returncode == 2 and "'speed' is unknown; valid choices: op, step" in proc.stderr
+    assert proc.returncode == 2 and "'speed' is unknown; valid choices: op, step, placement" in proc.stderr
+
+
+def test_bench_placement_tiny_smoke(tmp_path):
+    """`--parts placement` on the tiny preset, one cap that fits every expert, without the all-GPU
+    system (test_bench_step_tiny_runs_each_system runs it): the all-CPU and auto systems train; auto's record says its split (all resident on the CPU
+    "device", whose rates are measured there) and carries a prediction; the plot is written."""
+    out, png = tmp_path / "placement.json", tmp_path / "placement.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "tiny", "--parts", "placement", "--backends", "torch",
+         "--seq", "32", "--steps", "1", "--threads", "1", "--caps", "1", "--systems", "kt-ft", "--json", str(out),
+         "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "KT_FT_CACHE_DIR": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "skipping kt-ft[stream]" in proc.stdout
+    recs = {(r["name"], r["cap_gib"]): r for r in json.loads(out.read_text())["records"]}
+    assert set(recs) == {("kt-ft[cpu]", None), ("kt-ft[auto]", 1.0)}, proc.stdout[-2000:]
+    auto = recs[("kt-ft[auto]", 1.0)]
+    assert auto["kind"] == "placement" and auto["predicted_s"] > 0 and auto["tok_s"] > 0
+    assert "resident/streamed/CPU L0 8/0/0, L1 8/0/0" in auto["note"]
+    assert recs[("kt-ft[cpu]", None)]["predicted_s"] > 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in proc.stdout
+    else:
+        assert png.stat().st_size > 0

@@ -408,3 +408,37 @@ def test_streamed_experts_on_cuda_train_like_all_cpu(tmp_path, gc):
     a, b = expert_lora(model), expert_lora(ref_model)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-3, msg=k)
+
+
+def test_split_changed_between_steps_trains_like_all_cpu(tmp_path):
+    """``KTExperts.set_placement`` (the re-planner's call) between steps: streamed ids change, a
+    layer stops streaming (its rows leave the scheduler, its buffer is freed for others), another
+    starts; the CPU op's backend is prepared when experts come back to it. Same tolerances."""
+    L = LAYERS
+    cpu_model = all_cpu(num_hidden_layers=L)
+    model = build(rule(tmp_path, MIXED), num_hidden_layers=L)
+    layers = kt_layers(model)
+    sched = layers[0].streamed.scheduler
+    opt_state, ref_state = {}, {}
+    data = batches()
+    ref = _train_keep(cpu_model, data, 0, 2, ref_state) + _train_keep(cpu_model, data, 2, 4, ref_state)
+    got = _train_keep(model, data, 0, 2, opt_state)
+    layers[0].set_placement((5,), ())  # stops streaming
+    layers[1].set_placement((0, 1), (2, 6))  # other streamed ids
+    layers[2].set_placement((), (0, 1, 2, 3, 4, 5, 6, 7))  # every expert on the device
+    layers[3].set_resident((2, 3))  # streamed 2-4 -> 4 only
+    assert layers[0].streamed is None and layers[0].resident.ids == (5,)
+    assert layers[3].streamed.ids == (4,) and layers[3].resident.ids == (2, 3)
+    assert set(sched.layers) == {1, 2, 3} and 0 not in sched.order
+    assert all(s.layer != 0 for s in sched.slots)
+    assert not layers[2].device_experts.cpu_follows
+    calls = [m.runner.forward_calls for m in layers]
+    got += _train_keep(model, data, 2, 4, opt_state)
+    assert [m.runner.forward_calls - c for m, c in zip(layers, calls)] == [2, 2, 0, 2]
+    assert_trains_like(model, cpu_model, got, ref)
+    # a layer built with every expert on the device never prepared its CPU backend; moved back
+    # to the CPU it is prepared then
+    m = kt_layers(build(rule(tmp_path, STREAM_ALL)))[0]
+    assert not m.runner.prepared
+    m.set_placement((), ())
+    assert m.runner.prepared and m.device_experts is None and m.streamed is None

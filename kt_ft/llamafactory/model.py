@@ -147,9 +147,14 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
         # Inference: the adapter, not the chat/export recipe, says what rank the expert LoRA has.
         lora = read_manifest(src)["lora"]
         rank, alpha, use_rslora = lora["rank"], lora["alpha"], lora["use_rslora"]
+    auto = _auto_placement(model, plan, model_args, rank)
     summary = replace_routed_experts(
         model, plan, rank, lora_scaling(rank, alpha, use_rslora), model_args.chunk_size
     )
+    if auto is not None and is_trainable and getattr(model_args, "kt_replan_steps", 0):
+        from ..placement.runtime import Replanner
+
+        model._kt_ft_replanner = Replanner(auto, model_args.kt_replan_steps, model_args.kt_replan_threshold)
     info = KTAdapterInfo(
         base_model=str(model_args.model_name_or_path),
         base_config_sha256=base_config_sha256(model_args.model_name_or_path),
@@ -191,6 +196,31 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     )
     if torch.cuda.is_available():
         logger.info(f"GPU memory allocated now: {fmt_bytes(torch.cuda.memory_allocated())}")
+
+
+def _auto_placement(model: Any, plan: Any, model_args: Any, rank: int):
+    """``placement: auto`` layers of the plan get their split now (kt_ft/placement/runtime.py);
+    returns the context a re-planner needs, or None when the rule has no auto layer."""
+    from ..placement.auto import auto_layers
+
+    if not auto_layers(plan):
+        return None
+    from ..placement.runtime import auto_at_start
+    from ..rules.report import TrainSizes
+
+    # cutoff_len x per_device_train_batch_size, noted by KTArguments.apply_kt_config
+    cutoff, batch = getattr(model_args, "_kt_ft_micro_batch", None) or (
+        model_args.model_max_length or 2048,
+        1,
+    )
+    started = auto_at_start(
+        model,
+        plan,
+        TrainSizes(cutoff, batch, rank),
+        gpu_memory_gib=getattr(model_args, "kt_gpu_memory", None),
+        remeasure=bool(getattr(model_args, "kt_remeasure", False)),
+    )
+    return None if started is None else started[0]
 
 
 def _fill_under_peft(model: Any, stream: Any):

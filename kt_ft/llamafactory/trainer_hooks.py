@@ -44,6 +44,11 @@ class KTCheckpointCallback(TrainerCallback):
         if sync is not None:
             sync.check_complete()  # several processes: the expert-LoRA grads were all averaged
 
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        replanner = getattr(model, "_kt_ft_replanner", None)
+        if replanner is not None:
+            replanner.step(state.global_step)  # placement: auto: re-plan when routing drifted
+
     def on_train_end(self, args, state, control, model=None, **kwargs):
         sync = getattr(model, "_kt_ft_grad_sync", None)
         if sync is not None:

@@ -97,20 +97,52 @@ class KTExperts(nn.Module):
         self.runner = ExpertRunner(
             backend, base, scaling, chunk_size, threads, prepare=on_device < base.num_experts
         )
-        self.resident = ResidentExperts(base, resident_ids) if resident_ids else None
-        self.streamed = (
-            StreamedExperts(layer_idx, base, stream_ids, scheduler or StreamScheduler())
-            if stream_ids
-            else None
-        )
+        self.scheduler = scheduler  # the model's stream scheduler (made on first use when None)
+        self.resident: ResidentExperts | None = None
+        self.streamed: StreamedExperts | None = None
+        self.device_experts: DeviceExperts | None = None
         # the block's shared experts, started beside the CPU op (``beside.py``; set by the patch)
         self.beside: SharedBeside | None = None
-        self.device_experts = None
+        # routing counts per expert [E] int64 on the router's device, accumulated while training
+        # when ``count_routing`` is set (placement: auto's re-planning reads and resets them)
+        self.count_routing = False
+        self.routing_counts: torch.Tensor | None = None
+        self.set_placement(resident_ids, stream_ids, resident_device)
+
+    def set_placement(self, resident_ids=(), stream_ids=(), device: torch.device | None = None) -> None:
+        """Experts ``resident_ids`` GPU-resident, ``stream_ids`` streamed, the rest on the CPU.
+
+        Resident weights are copied to ``device`` now, else to the input's device at the next
+        forward (the previous resident ones' device if there were). Call between steps (the
+        re-planner does): a layer's first pass, recompute and backward must see one split."""
+        res_ids, st_ids = tuple(sorted(resident_ids)), tuple(sorted(stream_ids))
+        old_res, old_st = self.resident, self.streamed
+        base = self.runner.base
+        if old_res is None or old_res.ids != res_ids:
+            if device is None and old_res is not None:
+                device = old_res.device
+            self.resident = ResidentExperts(base, res_ids) if res_ids else None
+        if (old_st.ids if old_st is not None else ()) != st_ids:
+            if old_st is not None:
+                self.scheduler.unregister(old_st)
+            if st_ids and self.scheduler is None:
+                self.scheduler = StreamScheduler()
+            self.streamed = StreamedExperts(self.layer_idx, base, st_ids, self.scheduler) if st_ids else None
+        if self.resident is not None and device is not None:
+            self.resident.to_device(device)
+        dev = None
         if self.resident is not None or self.streamed is not None:
-            self.device_experts = DeviceExperts(base, self.resident, self.streamed)
-            self.runner.out_dtype = accum_dtype(base.gate_up.dtype)  # summed with the device part
-        if self.resident is not None and resident_device is not None:
-            self.resident.to_device(resident_device)
+            dev = DeviceExperts(base, self.resident, self.streamed)
+        self.device_experts = dev
+        # the CPU op's output is summed with the device part in float32 when there is one
+        self.runner.out_dtype = accum_dtype(base.gate_up.dtype) if dev is not None else None
+        if dev is None or dev.cpu_follows:
+            self.runner.ensure_prepared()
+
+    def set_resident(self, ids, device: torch.device | None = None) -> None:
+        """Make experts ``ids`` the resident ones (streamed ones among them stop streaming)."""
+        streamed = self.streamed.ids if self.streamed is not None else ()
+        self.set_placement(ids, [e for e in streamed if e not in set(ids)], device)
 
     def lora_tensors(self) -> LoraTensors:
         return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
@@ -121,6 +153,11 @@ class KTExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         lora = self.lora_tensors()
+        if self.count_routing and self.training:
+            # on the router's device, no host sync; both passes of a checkpointed layer count,
+            # which scales every expert alike (the re-planner compares distributions)
+            c = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)
+            self.routing_counts = c if self.routing_counts is None else self.routing_counts + c
         # first pass of a reentrant-checkpointed layer: keep the CPU result for its recompute
         first_pass = not torch.is_grad_enabled() and self.training and any(p.requires_grad for p in lora)
         dev, beside = self.device_experts, self.beside

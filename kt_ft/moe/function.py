@@ -93,8 +93,15 @@ class ExpertRunner:
         # dtype of the op's output on the caller's device; None: the input's (set to the
         # accumulation dtype when GPU-resident experts add their part to it)
         self.out_dtype: torch.dtype | None = None
+        self.prepared = False
         if prepare:
-            backend.prepare(base, threads, chunk_size)
+            self.ensure_prepared()
+
+    def ensure_prepared(self) -> None:
+        """Set the backend up for this layer (once): before the op's first run."""
+        if not self.prepared:
+            self.backend.prepare(self.base, self.threads, self.chunk_size)
+            self.prepared = True
 
     def input_key(self, first_pass: bool, needs_grad: bool) -> str:
         """Name of the pinned buffers the op's inputs go through: a reentrant recompute (a call

@@ -52,6 +52,7 @@ import torch
 
 from ..kernels.base import ExpertWeights
 from ..log import fmt_bytes, get_logger
+from ..placement.cost import STREAM_BUFFERS
 
 logger = get_logger(__name__)
 
@@ -83,7 +84,7 @@ class _SavedView:
 class StreamScheduler:
     """The device buffers, copy stream and layer order shared by one model's streamed layers."""
 
-    def __init__(self, num_slots: int = 2) -> None:
+    def __init__(self, num_slots: int = STREAM_BUFFERS) -> None:
         self.layers: dict[int, StreamedExperts] = {}
         self.order: list[int] = []  # layers in the order they first ran
         self._pos: dict[int, int] = {}
@@ -110,6 +111,22 @@ class StreamScheduler:
             )
         self.dtype = layer.dtype
         self.layers[layer.layer] = layer
+
+    def unregister(self, layer: StreamedExperts) -> None:
+        """``layer`` streams no more (the re-planner changed its split): forget it, its place in the
+        order and any buffer holding it; unpin its rows. Between steps only."""
+        if self.layers.get(layer.layer) is layer:
+            del self.layers[layer.layer]
+            self.order = [k for k in self.order if k != layer.layer]
+            self._pos = {k: i for i, k in enumerate(self.order)}
+            if self.last == layer.layer:
+                self.last = None
+            for s in self.slots:
+                if s.layer == layer.layer:
+                    s.layer, s.prefetched = None, False
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()  # a queued prefetch may still read its pinned rows
+        layer.close()
 
     @property
     def capacity(self) -> int:

@@ -13,6 +13,7 @@ Format (a YAML list; the first rule whose ``match`` holds wins)::
         threads: 16                     # experts only: CPU threads (default: the recipe's cpu_infer)
         gpu_experts: 4                  # experts only: experts kept on the GPU (see schema.py)
         stream: all                     # experts only: experts streamed to the GPU each step (same forms, or all)
+        placement: manual               # experts only: manual (as written) | auto (kt_ft/placement decides)
       recursive: true                   # false: submodules take this rule without further matching
     - default:
         device: cuda                    # device of every module no rule matches
@@ -44,6 +45,7 @@ from .schema import (
     KEYS_DEFAULT,
     KEYS_MATCH,
     KEYS_RULE,
+    PLACEMENTS,
     GpuExperts,
     LayerSet,
     parse_gpu_experts,
@@ -67,6 +69,7 @@ class Rule:
     source: str = ""  # the file the rule is written in (included rules keep theirs)
     device_at: str = ""  # "file:line: [i].replace.device", for device errors found later
     stream: GpuExperts | None = None  # experts streamed to the training device (moe/streamed.py)
+    placement: str = "manual"  # routed experts: "manual" (gpu_experts as written) or "auto"
 
     @property
     def classes(self) -> tuple[str, ...]:
@@ -234,7 +237,7 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
 
     akey = "replace" if "replace" in keys else "place"
     anode = keys.get(akey)
-    device, backend, threads, gpu_experts, stream = "cpu", None, None, None, None
+    device, backend, threads, gpu_experts, stream, placement = "cpu", None, None, None, None, "manual"
     device_at = f"{r.at(item)}: {path_i}.{akey}.device"
     if anode is None:
         r.problem(item, f"{path_i}.replace", "missing; say at least `device`")
@@ -262,6 +265,24 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
             gpu_experts = r.parsed(a["gpu_experts"], f"{path_i}.{akey}.gpu_experts", parse_gpu_experts)
         if "stream" in a:
             stream = r.parsed(a["stream"], f"{path_i}.{akey}.stream", parse_stream)
+        if "placement" in a:
+            placement = r.value(a["placement"])
+            if placement not in PLACEMENTS:
+                r.problem(
+                    a["placement"],
+                    f"{path_i}.{akey}.placement",
+                    f"{placement!r}; valid choices: {', '.join(PLACEMENTS)}",
+                )
+                placement = "manual"
+            elif placement == "auto":
+                written = [k for k in ("gpu_experts", "stream") if k in a]
+                for k in written:
+                    r.problem(
+                        a[k],
+                        f"{path_i}.{akey}.{k}",
+                        f"given with placement: auto (at line {a['placement'].start_mark.line + 1}), which "
+                        f"chooses {k} itself; remove one of them",
+                    )
     recursive = True
     if "recursive" in keys:
         recursive = r.value(keys["recursive"])
@@ -282,6 +303,7 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
         r.source,
         device_at,
         stream,
+        placement,
     )
 
 

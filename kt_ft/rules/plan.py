@@ -39,6 +39,7 @@ class ExpertPlacement:
     # experts of this layer streamed to the training device each time the layer runs
     # (``moe/streamed.py``); ids and count None: every expert not resident (``stream: all``)
     stream_experts: GpuExpertSpec | None = None
+    placement: str = "manual"  # "auto": kt_ft/placement fills gpu_experts / stream_experts at start
 
 
 @dataclass
@@ -179,9 +180,19 @@ def make_plan(
             stream = None
         backend = kt_backend if kt_backend != "auto" else (rule.backend if rule and rule.backend else "auto")
         threads = rule.threads if rule is not None and rule.threads is not None else cpu_infer
+        placement = rule.placement if rule is not None else "manual"
         experts.append(
             ExpertPlacement(
-                name, layer, device, backend, threads, rule, spec, expert_spec(family, module), stream
+                name,
+                layer,
+                device,
+                backend,
+                threads,
+                rule,
+                spec,
+                expert_spec(family, module),
+                stream,
+                placement=placement,
             )
         )
 

@@ -18,10 +18,12 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
   L·B·S·H·a (each decoder layer's checkpointed input) + 17·B·S·H·a (one layer recomputed
   for its backward: Korthikanti et al. 2022's 34·s·b·h bytes at 2 bytes a value, fused
   attention, no s² term) + 2·B·S·V·4 (fp32 logits and their gradient).
+  With routed experts on the GPU (resident or streamed): + one recomputed layer's expert
+  activations, B·S·k·(3·I + H)·4 (worst case: every pair of the layer on the GPU; the planner's
+  reserve, ``kt_ft/placement/cost.py``).
 * CPU activations: per MoE layer B·S·(k·3·I + 2·H)·4 (the CPU op keeps gate, up and silu·up
   per routed token-expert pair and the layer's input and output in fp32 until backward); none
-  for a layer whose experts are all resident or streamed (the CPU op never runs). The device
-  experts' own activations are not counted.
+  for a layer whose experts are all resident or streamed (the CPU op never runs).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..log import fmt_bytes
+from ..placement.cost import STREAM_BUFFERS
 from .plan import PlacementPlan
 
 TRAIN_STATE_BYTES = 16  # per trainable parameter: fp32 weight + grad + 2 AdamW moments
@@ -73,15 +76,15 @@ def _layer(name: str) -> int | None:
         return None
 
 
-STREAM_BUFFERS = 2  # device buffers the streamed experts rotate through (moe/streamed.py)
-
-
 def _spec_text(spec) -> str | None:
     if spec is None:
         return None
     if spec.is_all:
         return "all"
-    return f"ids {list(spec.ids)}" if spec.ids is not None else f"{spec.count}"
+    if spec.ids is None:
+        return f"{spec.count}"
+    ids = list(spec.ids)
+    return f"ids {ids}" if len(ids) <= 8 else f"{len(ids)} ids [{ids[0]}, {ids[1]}, ..., {ids[-1]}]"
 
 
 def _resident_count(e) -> int:
@@ -104,17 +107,19 @@ def _stream_count(e, num_experts: int) -> int:
 def _expert_groups(plan: PlacementPlan) -> list[dict]:
     groups: list[dict] = []
     for e in plan.experts:
-        key = (e.device, e.backend, e.threads, _spec_text(e.gpu_experts), _spec_text(e.stream_experts))
+        auto = e.placement == "auto"
+        key = (e.device, e.backend, e.threads, _spec_text(e.gpu_experts), _spec_text(e.stream_experts), auto)
         if groups and groups[-1]["key"] == key:
             groups[-1]["layers"].append(e.layer)
         else:
             groups.append({"key": key, "layers": [e.layer]})
     out = []
     for g in groups:
-        device, backend, threads, gpu_text, stream_text = g["key"]
+        device, backend, threads, gpu_text, stream_text, auto = g["key"]
         what = f"layers {_ranges(g['layers'])} routed experts"
         how = (
             f"{device} {backend} {threads} threads"
+            + (", placement auto" if auto else "")
             + (f", gpu_experts {gpu_text}" if gpu_text else "")
             + (f", stream {stream_text}" if stream_text else "")
         )
@@ -153,6 +158,9 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
 
     lora = {"peft_params": 0, "expert_params": 0}
     stream = {"layers": 0, "experts": 0, "largest_layer_bytes": 0, "buffer_bytes": 0, "bytes_per_pass": 0}
+    gpu_expert_act = 0  # one recomputed layer's GPU expert activations (worst case)
+    k = getattr(_text_config(model), "num_experts_per_tok", 1)
+    tokens = sizes.batch * sizes.cutoff_len
     for e in plan.experts:
         num, hidden, inter = _expert_dims(model, e)
         on_gpu = _resident_count(e)
@@ -166,6 +174,8 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
             stream["experts"] += streamed
             stream["bytes_per_pass"] += per_expert * streamed
             stream["largest_layer_bytes"] = max(stream["largest_layer_bytes"], per_expert * streamed)
+        if on_gpu or streamed:
+            gpu_expert_act = max(gpu_expert_act, tokens * k * (3 * inter + hidden) * 4)
         n = 3 * num * sizes.lora_rank * (hidden + inter)
         lora["expert_params"] += n
         dev("cpu")["lora_params"] += n
@@ -184,12 +194,10 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
         d["train_state_bytes"] = d["lora_params"] * TRAIN_STATE_BYTES
 
     # activations
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = _text_config(model)
     H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
-    k = getattr(text, "num_experts_per_tok", 1)
     a = 2 if elt == 2 else 4
-    tokens = sizes.batch * sizes.cutoff_len
-    gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + 2 * tokens * V * 4
+    gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + 2 * tokens * V * 4 + gpu_expert_act
     cpu_act = 0
     for e in plan.experts:
         num, _, inter = _expert_dims(model, e)
@@ -280,3 +288,7 @@ def _expert_dims(model, placement) -> tuple[int, int, int]:
     else:
         num, two_i, hidden = gate_up.shape
     return num, hidden, two_i // 2
+
+
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 KEYS_RULE = ("match", "replace", "place", "recursive")
 KEYS_MATCH = ("name", "class", "layers")
-KEYS_ACTION = ("device", "backend", "threads", "gpu_experts", "stream")
+KEYS_ACTION = ("device", "backend", "threads", "gpu_experts", "stream", "placement")
+PLACEMENTS = ("manual", "auto")  # manual: gpu_experts / stream as written; auto: kt_ft/placement decides
 KEYS_DEFAULT = ("device",)
 KEYS_GPU_SPEC = ("layers", "ids", "count")
 

@@ -1,0 +1,231 @@
+"""`kt-ft bench --parts placement`: tokens/s against the GPU memory cap, per expert placement.
+
+Systems, each trained in its own process by ``bench_step.worker`` on one random model of the
+preset (``--layers`` of its decoder layers, default 4; the whole ``tiny`` model), one sequence
+of ``--seq`` tokens a step, LoRA r 8, gradient checkpointing, AdamW, best step after a warm-up:
+
+- ``kt-ft[cpu]``: every routed expert on the CPU (cap-independent: one run);
+- ``kt-ft[auto]``: ``placement: auto`` at each cap (the planner's split: resident / streamed / CPU);
+- ``kt-ft[stream]``: every expert streamed (``stream: all``), at each cap; skipped with a note
+  while this version has no streamed experts;
+- ``peft-gpu``: transformers + PEFT all on the GPU (cap-independent: one run; its peak memory
+  says which caps it fits).
+
+The caps are for the FULL model: the routed experts' budget is the cap minus ``rules plan``'s
+estimate of everything else for the full model, and a reduced model gets the share of it its
+layer count has (layers / real layers). Each kt-ft record carries the cost model's predicted
+step time beside the measured one (rates: ``placement/measure.py``'s cache or a measurement;
+on a CPU-only machine the "GPU" is the CPU device, its rates measured there, so the smoke run
+exercises the resident path). ``--plot FILE.png`` draws tokens/s against the cap (matplotlib).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from .bench_step import LORA_ALPHA, LORA_RANK, MODEL_CONFIGS, StepRecord, build_model_dir  # noqa: F401
+
+DEFAULT_CAPS = (8.0, 16.0, 24.0, 40.0, 80.0)
+PLACEMENTS = ("cpu", "auto", "stream")
+
+
+class Placement:
+    """The kt-ft side of one placement system, inside a bench worker process."""
+
+    def __init__(
+        self, kind: str, preset: str, cap_gib: float, threads: int, backend: str, budget: int | None = None
+    ):
+        self.kind, self.preset, self.cap_gib = kind, preset, cap_gib
+        self.threads, self.backend, self.budget = threads, backend, budget
+        self.predicted_s: float | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="kt-ft-placement-")
+
+    def rule_file(self, family) -> Path:
+        """The family's rule, its experts rule overridden for this placement."""
+        from .rules import resolve_rule_path
+
+        base = resolve_rule_path(family.builtin_rule)
+        action = {"cpu": "", "auto": ", placement: auto", "stream": ", stream: all"}[self.kind]
+        classes = ", ".join(family.experts_classes)
+        path = Path(self._tmp.name) / f"{self.kind}.yaml"
+        path.write_text(
+            f"- match: {{class: [{classes}]}}\n  replace: {{device: cpu{action}}}\n- include: {base}\n"
+        )
+        return path
+
+    def apply(self, model, plan, seq: int) -> str:
+        """Plan (auto) and predict; returns a note for the record."""
+        import torch
+
+        from .kernels import select_backend
+        from .placement.auto import layer_shape, predict_plan
+        from .placement.measure import device_rates_on_cpu, machine_rates
+        from .placement.runtime import auto_at_start
+        from .rules.report import TrainSizes
+
+        first = plan.experts[0]
+        dtype = model.get_submodule(first.name).gate_up_proj.dtype
+        shape = layer_shape(model, first, dtype)
+        cuda = torch.cuda.is_available()
+        name = select_backend(self.backend, dtype, first.spec)[0].name
+        rates = machine_rates(shape, name, self.threads, seq, LORA_RANK, cuda=cuda)
+        if not cuda:
+            rates = device_rates_on_cpu(rates, shape, seq)
+        sizes = TrainSizes(seq, 1, LORA_RANK)
+        if self.kind == "auto":
+            _, choice = auto_at_start(model, plan, sizes, rates=rates, expert_budget_bytes=self.budget)
+            self.predicted_s = choice.prediction.step_s
+            counts = [s.counts(shape.num_experts) for s in choice.splits]
+            split = ", ".join(f"L{e.layer} {r}/{s}/{c}" for e, (r, s, c) in zip(plan.experts, counts))
+            return f"resident/streamed/CPU {split}"
+        self.predicted_s = predict_plan(model, plan, dtype, sizes, rates).step_s
+        return f"every expert {'streamed' if self.kind == 'stream' else 'on the CPU'}"
+
+
+def expert_budget(preset: str, cap_gib: float, seq: int, layers: int) -> int:
+    """The routed experts' GPU budget under ``cap_gib`` for the full model, scaled to ``layers``."""
+    import torch
+    from transformers import AutoConfig
+
+    from .models import family_of
+    from .rules import load_rules, make_plan, resolve_rule_path
+    from .rules.report import TrainSizes, estimate
+    from .rules.skeleton import meta_model
+
+    model_type, cfg = MODEL_CONFIGS[preset]
+    config = AutoConfig.for_model(model_type, **cfg)
+    family = family_of(config)
+    model = meta_model(config, torch.bfloat16)
+    plan = make_plan(
+        model, load_rules(resolve_rule_path(family.builtin_rule)), family, "auto", 1, planning_only=True
+    )
+    est = estimate(model, plan, torch.bfloat16, TrainSizes(seq, 1, LORA_RANK))
+    rest = est["devices"].get("cuda:0", {}).get("total_bytes", 0)
+    return int((cap_gib * 2**30 - rest) * layers / cfg["num_hidden_layers"])
+
+
+def run_placement(
+    preset: str,
+    layers: int | None,
+    seq: int,
+    caps: list[float],
+    backend: str,
+    threads: int,
+    steps: int,
+    timeout_s: int = 900,
+    all_gpu: bool = True,
+) -> list[StepRecord]:
+    """Every placement system at every cap (module doc), each in a subprocess; failures printed.
+    ``all_gpu``: False leaves out the transformers + PEFT run (``--systems`` without peft-gpu)."""
+    from tqdm import tqdm
+
+    from .placement.auto import stream_available
+
+    n_layers = layers or min(MODEL_CONFIGS[preset][1]["num_hidden_layers"], 4)
+    jobs: list[tuple[str, str | None, float | None]] = [("kt-ft", "cpu", None)]
+    jobs += [("kt-ft", "auto", c) for c in caps]
+    if stream_available():
+        jobs += [("kt-ft", "stream", c) for c in caps]
+    else:
+        print("skipping kt-ft[stream]: streamed experts are not in this version of kt-ft")
+    if all_gpu:
+        jobs.append(("peft-gpu", None, None))
+    records: list[StepRecord] = []
+    with tempfile.TemporaryDirectory(prefix="kt-ft-bench-") as tmp:
+        model_dir, _ = build_model_dir(preset, n_layers, Path(tmp) / "model")
+        for system, placement, cap in tqdm(
+            jobs, desc=f"placement bench {preset} x{n_layers} layers", unit="run"
+        ):
+            out = Path(tmp) / f"{system}-{placement}-{cap}.json"
+            cmd = [sys.executable, "-m", "kt_ft.bench_step", "--system", system, "--backend", backend,
+                   "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
+                   "--steps", str(steps), "--out", str(out)]  # fmt: skip
+            if placement is not None:
+                cmd += ["--placement", placement]
+            if cap is not None:
+                budget = expert_budget(preset, cap, seq, n_layers)
+                cmd += ["--gpu-cap-gib", f"{cap:g}", "--expert-budget", str(budget)]
+            label = (
+                f"{system}[{placement}] cap {cap:g} GiB" if cap is not None else f"{system} {placement or ''}"
+            )
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                print(f"{label}: timed out after {timeout_s} s")
+                continue
+            if proc.returncode != 0 or not out.exists():
+                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+                print(f"{label}: failed (exit {proc.returncode}):\n{tail}")
+                continue
+            rec = StepRecord(**json.loads(out.read_text()))
+            rec.kind = "placement"
+            records.append(rec)
+    print_placement_table(records)
+    return records
+
+
+def print_placement_table(records: list[StepRecord]) -> None:
+    if not records:
+        return
+    r0 = records[0]
+    print(
+        f"\nplacement bench, {r0.preset}: {r0.layers} of {r0.real_layers} layers, seq {r0.tokens}; caps are for "
+        "the full model (kt_ft/bench_placement.py)"
+    )
+    print(
+        f"{'system':<18}{'cap GiB':>9}{'predicted ms':>14}{'measured ms':>13}{'tok/s':>10}{'peak GPU':>12}  note"
+    )
+    for r in records:
+        cap = f"{r.cap_gib:g}" if r.cap_gib is not None else "-"
+        pred = f"{r.predicted_s * 1e3:.1f}" if r.predicted_s is not None else "-"
+        gpu = f"{r.peak_gpu_bytes / 2**30:.2f} GiB" if r.peak_gpu_bytes is not None else "-"
+        print(f"{r.name:<18}{cap:>9}{pred:>14}{r.seconds * 1e3:>13.1f}{r.tok_s:>10,.0f}{gpu:>12}  {r.note}")
+
+
+def plot_placement(records: list[StepRecord], path: str) -> bool:
+    """tokens/s against the cap: a line per placement (measured solid, predicted dashed), the
+    cap-independent systems as horizontal lines. False (and a message) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--plot {path}: matplotlib is not installed here (pip install matplotlib); no plot written")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    caps = sorted({r.cap_gib for r in records if r.cap_gib is not None})
+    by: dict[str, list[StepRecord]] = {}
+    for r in records:
+        by.setdefault(r.name, []).append(r)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, (name, rs) in enumerate(by.items()):
+        color = colors[n % len(colors)]
+        swept = sorted((r for r in rs if r.cap_gib is not None), key=lambda r: r.cap_gib)
+        if swept:
+            x, y = [r.cap_gib for r in swept], [r.tok_s for r in swept]
+            ax.plot(x, y, "o-", color=color, label=f"{name} measured")
+            pred = [(r.cap_gib, r.tokens / r.predicted_s) for r in swept if r.predicted_s]
+            if pred:
+                ax.plot(*zip(*pred), "x--", color=color, label=f"{name} predicted")
+        for r in (r for r in rs if r.cap_gib is None):
+            peak = f", peak GPU {r.peak_gpu_bytes / 2**30:.1f} GiB" if r.peak_gpu_bytes is not None else ""
+            ax.axhline(r.tok_s, linestyle=":", color=color, label=f"{name} (any cap){peak}")
+    ax.set_xlabel("GPU memory cap for the full model (GiB)")
+    ax.set_ylabel("tokens/s")
+    r0 = records[0]
+    ax.set_title(f"{r0.preset}: {r0.layers} of {r0.real_layers} layers, seq {r0.tokens}")
+    if caps:
+        if caps[-1] / caps[0] > 20:
+            ax.set_xscale("log")
+        ax.set_xticks(caps, [f"{c:g}" for c in caps])
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+    return True

@@ -1,0 +1,272 @@
+"""``placement: auto``: the planner's split written into a PlacementPlan, and the report of it.
+
+Inputs are what ``kt-ft rules plan`` has before any weight is read (a meta model, the plan, the
+dtype, the training sizes) or what a run has at start (the loaded model): the MoE layers' shapes
+come from the experts modules, the non-expert FLOPs from the model's linear layers and config,
+and the GPU memory the routed experts may take is the cap minus ``rules/report.py``'s estimate
+of everything else on the training GPU (non-expert weights, LoRA and optimizer, activations,
+and the experts that manual rules keep there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..log import fmt_bytes
+from ..rules.plan import ExpertPlacement, PlacementPlan
+from ..rules.report import TrainSizes, _expert_dims, estimate
+from ..rules.schema import KEYS_ACTION, GpuExpertSpec
+from .cost import LayerShape, LayerSplit, Prediction, Rates, non_expert_flops, predict
+from .planner import Choice, PlannerInput, choose_splits
+
+
+def stream_available() -> bool:
+    """Whether this version runs streamed experts: true once the rule language has the `stream` key
+    (the branch that adds it adds the runtime with it)."""
+    return "stream" in KEYS_ACTION
+
+
+def auto_layers(plan: PlacementPlan) -> list[ExpertPlacement]:
+    return [e for e in plan.experts if e.placement == "auto"]
+
+
+def layer_shape(model: torch.nn.Module, e: ExpertPlacement, dtype: torch.dtype) -> LayerShape:
+    num, hidden, inter = _expert_dims(model, e)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    top_k = int(getattr(text, "num_experts_per_tok", 1))
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    return LayerShape(num, hidden, inter, top_k, nbytes, 2 if nbytes <= 2 else 4)
+
+
+def model_non_expert_flops(model: torch.nn.Module, plan: PlacementPlan, sizes: TrainSizes) -> float:
+    """``cost.non_expert_flops`` of the model: its ``nn.Linear`` weights outside the routed experts
+    (``lm_head`` apart), causal attention of every decoder layer (heads x head_dim from the config)."""
+    experts = tuple(f"{e.name}." for e in plan.experts)
+    linear = head = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) or name.startswith(experts):
+            continue
+        if name.endswith("lm_head"):
+            head += m.weight.numel()
+        else:
+            linear += m.weight.numel()
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(text, "num_attention_heads", 1)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return non_expert_flops(
+        linear, head, text.num_hidden_layers, heads, head_dim, sizes.cutoff_len, sizes.batch
+    )
+
+
+def _resident_ids(e: ExpertPlacement, num: int, popularity: Sequence[float] | None) -> tuple[int, ...]:
+    from ..moe.resident import pick_resident_ids
+
+    spec = e.gpu_experts
+    if spec is None:
+        return ()
+    pop = None if popularity is None else torch.tensor(list(popularity), dtype=torch.float64)
+    return pick_resident_ids(num, spec.ids, spec.count, pop)
+
+
+def current_splits(
+    model: torch.nn.Module, plan: PlacementPlan, popularity: dict[int, Sequence[float]] | None = None
+) -> list[LayerSplit]:
+    """Each MoE layer's split as the plan says it (a count takes the most popular / first ids; a
+    stream count the next ones after the resident)."""
+    out = []
+    for e in plan.experts:
+        num = _expert_dims(model, e)[0]
+        pop = (popularity or {}).get(e.layer)
+        res = _resident_ids(e, num, pop)
+        st: tuple[int, ...] = ()
+        if e.stream_experts is not None:
+            if e.stream_experts.ids is not None:
+                st = tuple(sorted(e.stream_experts.ids))
+            else:
+                rest = [i for i in range(num) if i not in res]
+                if pop is not None:
+                    rest.sort(key=lambda i: (-float(pop[i]), i))
+                st = tuple(sorted(rest[: e.stream_experts.count or 0]))
+        out.append(LayerSplit(res, st))
+    return out
+
+
+def predict_plan(
+    model: torch.nn.Module,
+    plan: PlacementPlan,
+    dtype: torch.dtype,
+    sizes: TrainSizes,
+    rates: Rates,
+    popularity: dict[int, Sequence[float]] | None = None,
+) -> Prediction:
+    """The cost model's prediction for every MoE layer of the plan as it stands."""
+    shapes = [layer_shape(model, e, dtype) for e in plan.experts]
+    pops = [(popularity or {}).get(e.layer) for e in plan.experts]
+    splits = current_splits(model, plan, popularity)
+    tokens = sizes.cutoff_len * sizes.batch
+    flops = model_non_expert_flops(model, plan, sizes)
+    return predict(shapes, splits, rates, sizes.lora_rank, tokens, flops, pops)
+
+
+def training_device_key(plan: PlacementPlan) -> str:
+    d = plan.module_devices.get("", "cuda")
+    return "cuda:0" if d == "cuda" else d
+
+
+def plan_auto(
+    model: torch.nn.Module,
+    plan: PlacementPlan,
+    dtype: torch.dtype,
+    sizes: TrainSizes,
+    rates: Rates,
+    cap_bytes: int | None,
+    popularity: dict[int, Sequence[float]] | None = None,
+    allow_stream: bool | None = None,
+    expert_budget_bytes: int | None = None,
+) -> Choice | None:
+    """Choose and write ``gpu_experts`` / ``stream_experts`` (ids) of every ``placement: auto`` layer.
+
+    ``cap_bytes``: GPU memory the whole run may take on the training device (None: nothing on the
+    GPU); ``expert_budget_bytes`` instead gives the auto-placed experts' share directly (the bench
+    scales a full model's budget to its reduced layer count). Returns the planner's choice (None:
+    no auto layer)."""
+    autos = auto_layers(plan)
+    if not autos:
+        return None
+    for e in autos:
+        e.gpu_experts = e.stream_experts = None
+    base = (
+        estimate(model, plan, dtype, sizes)["devices"]
+        .get(training_device_key(plan), {})
+        .get("total_bytes", 0)
+    )
+    budget = (
+        expert_budget_bytes
+        if expert_budget_bytes is not None
+        else None
+        if cap_bytes is None
+        else cap_bytes - base
+    )
+    inputs = [
+        PlannerInput(e.layer, layer_shape(model, e, dtype), (popularity or {}).get(e.layer)) for e in autos
+    ]
+    stream = stream_available() if allow_stream is None else allow_stream
+    choice = choose_splits(
+        inputs,
+        rates,
+        sizes.lora_rank,
+        sizes.cutoff_len * sizes.batch,
+        budget,
+        allow_stream=stream,
+        nonexpert_flops=model_non_expert_flops(model, plan, sizes),
+    )
+    for e, split in zip(autos, choice.splits, strict=True):
+        e.gpu_experts = GpuExpertSpec(None, split.resident, None) if split.resident else None
+        e.stream_experts = GpuExpertSpec(None, split.streamed, None) if split.streamed else None
+    if cap_bytes is not None and expert_budget_bytes is None:
+        choice.notes.insert(
+            0,
+            f"GPU cap {fmt_bytes(cap_bytes)} - {fmt_bytes(base)} for everything but the auto-placed experts "
+            f"= {fmt_bytes(max(budget, 0))} for them",
+        )
+    return choice
+
+
+def _ranges(layers: list[int]) -> str:
+    from ..rules.report import _ranges as r
+
+    return r(layers)
+
+
+def placement_section(
+    model: torch.nn.Module,
+    plan: PlacementPlan,
+    dtype: torch.dtype,
+    sizes: TrainSizes,
+    rates: Rates,
+    choice: Choice | None,
+    rate_lines: list[str],
+) -> dict:
+    """The ``placement`` block of ``kt-ft rules plan`` (JSON-ready): per layer group the resident /
+    streamed / CPU counts, the predicted seconds per resource and step, the bottleneck."""
+    pred = predict_plan(model, plan, dtype, sizes, rates)
+    splits = current_splits(model, plan)
+    groups: list[dict] = []
+    for e, s, t in zip(plan.experts, splits, pred.layers, strict=True):
+        num = _expert_dims(model, e)[0]
+        r, st, c = s.counts(num)
+        key = (e.placement, r, st, c)
+        if groups and groups[-1]["key"] == key:
+            groups[-1]["layers"].append(e.layer)
+            for k in ("cpu_s", "link_s", "gpu_s", "step_s"):
+                groups[-1][k] += getattr(t, k.replace("step_s", "seconds"))
+        else:
+            groups.append(
+                {"key": key, "layers": [e.layer], "cpu_s": t.cpu_s, "link_s": t.link_s, "gpu_s": t.gpu_s,
+                 "step_s": t.seconds}
+            )  # fmt: skip
+    out_groups = []
+    for g in groups:
+        placement, r, st, c = g.pop("key")
+        out_groups.append(
+            {
+                "layers": _ranges(g.pop("layers")),
+                "placement": placement,
+                "resident": r,
+                "streamed": st,
+                "cpu": c,
+                **g,
+            }
+        )
+    totals = pred.totals()
+    tokens = sizes.cutoff_len * sizes.batch
+    return {
+        "rates": rate_lines,
+        "rates_raw": {
+            "cpu_flops": rates.cpu_flops,
+            "link_bytes_s": rates.link_bytes_s,
+            "gpu_flops": rates.gpu_flops,
+            "gpu_expert_flops": rates.gpu_expert_flops,
+        },
+        "budget_bytes": None if choice is None else choice.budget_bytes,
+        "groups": out_groups,
+        "predicted": {
+            "step_s": pred.step_s,
+            "tokens_per_s": tokens / pred.step_s if pred.step_s > 0 else None,
+            "cpu_busy_s": totals["cpu"],
+            "link_busy_s": totals["link"],
+            "gpu_busy_s": totals["gpu"],
+            "nonexpert_gpu_s": pred.nonexpert_s,
+            "bottleneck": pred.bottleneck,
+            "resident_bytes": pred.resident_bytes,
+            "stream_buffer_bytes": pred.stream_buffer_bytes,
+            "expert_activation_bytes": pred.expert_activation_bytes,
+        },
+        "notes": [] if choice is None else list(choice.notes),
+    }
+
+
+def format_placement(section: dict) -> str:
+    """The human lines of the ``placement`` block."""
+    p = section["predicted"]
+    lines = ["", "  placement (cost model, kt_ft/placement/cost.py); rates:"]
+    lines += [f"    {line}" for line in section["rates"]]
+    lines += ["", f"  {'layers':<12}{'placement':<11}{'resident':>9}{'streamed':>9}{'cpu':>6}"
+              f"{'cpu ms':>10}{'link ms':>10}{'gpu ms':>10}{'max ms':>10}   (summed over the group's layers)"]  # fmt: skip
+    for g in section["groups"]:
+        lines.append(
+            f"  {g['layers']:<12}{g['placement']:<11}{g['resident']:>9}{g['streamed']:>9}{g['cpu']:>6}"
+            + "".join(f"{g[k] * 1e3:>10.3f}" for k in ("cpu_s", "link_s", "gpu_s", "step_s"))
+        )
+    tok = f", {p['tokens_per_s']:,.0f} tokens/s" if p["tokens_per_s"] else ""
+    lines += [
+        f"  predicted step {p['step_s'] * 1e3:.3f} ms{tok}: busy CPU {p['cpu_busy_s'] * 1e3:.3f} ms, link "
+        f"{p['link_busy_s'] * 1e3:.3f} ms, GPU {p['gpu_busy_s'] * 1e3:.3f} ms (non-expert "
+        f"{p['nonexpert_gpu_s'] * 1e3:.3f} ms); bottleneck: {p['bottleneck']}",
+        f"  experts on the GPU: resident {fmt_bytes(p['resident_bytes'])}, stream buffers "
+        f"{fmt_bytes(p['stream_buffer_bytes'])}, their activations {fmt_bytes(p['expert_activation_bytes'])}",
+    ]
+    lines += [f"  note: {n}" for n in section["notes"]]
+    return "\n".join(lines)

@@ -1,0 +1,282 @@
+"""The placement cost model: predicted time per resource and GPU memory of an expert split.
+
+Pure functions (no torch, no device work), so the planner, ``kt-ft rules plan`` and the tests
+use the same numbers. Each routed expert of an MoE layer is *resident* (weights kept on the
+GPU), *streamed* (weights copied host -> GPU just in time) or on the *CPU* (the CPU op).
+Per MoE layer, with T tokens per micro-batch, top-k slots, popularity p_e (routing counts, any
+scale; uniform when unknown) and pairs_e = T·k·p_e / Σp:
+
+* CPU:  cpu_s  = Σ_{e on CPU} pairs_e · pair_flops / cpu_flops
+  (pair_flops = 12·H·I + 18·r·(H + I): the six frozen GEMMs forward + input-gradient, and the
+  LoRA forward, input- and weight-gradients; the CPU op runs its forward once per step even
+  under gradient checkpointing, see ``moe/function.py``)
+* link: link_s = passes · n_streamed · expert_bytes / link_bytes_s + act_bytes / link_bytes_s
+  (passes = 2: the forward and the checkpointed recompute each fetch the layer; act_bytes: the
+  CPU part's input, output and their gradients, T·H each, when the CPU computes any pair)
+* GPU:  gpu_s  = Σ_{e on GPU} pairs_e · (pair_flops + fwd_flops) / gpu_expert_flops
+  (fwd_flops = 6·H·I + 6·r·(H + I): the GPU part's forward is recomputed under checkpointing)
+
+The three overlap (the CPU op runs while the GPU computes its share and the next layer's
+experts stream in), so a layer takes max(cpu_s, link_s, gpu_s), and a step
+Σ_layers max(...) + nonexpert_s, the non-expert GPU work (attention, dense/shared MLPs, head)
+from its FLOPs at the dense GPU rate (``non_expert_flops``).
+
+GPU memory of the experts: resident weights + 2 layers of stream buffers (double buffering,
+sized for the layer with the most streamed experts) + one layer's expert activations (the
+recomputed layer keeps gate, up, act and the input per GPU pair: (3·I + H)·4 bytes); the rest
+of the GPU (non-expert weights, LoRA, optimizer, activations) is ``kt_ft/rules/report.py``'s
+estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PASSES = 2  # times a streamed layer's weights cross the link per step (forward + recompute)
+STREAM_BUFFERS = 2  # layers of stream buffers on the GPU (one computing, one filling)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One MoE layer's routed experts. ``weight_bytes``: bytes per base weight value (2 for bf16);
+    ``act_bytes``: bytes per activation value crossing the link (the model's dtype)."""
+
+    num_experts: int
+    hidden: int
+    inter: int
+    top_k: int
+    weight_bytes: int = 2
+    act_bytes: int = 2
+
+    @property
+    def expert_bytes(self) -> int:
+        """Base weights of one expert: gate, up [I, H] and down [H, I]."""
+        return 3 * self.hidden * self.inter * self.weight_bytes
+
+    def pair_flops(self, rank: int) -> float:
+        """FLOPs of one (token, slot) pair, forward + backward (frozen base, trained LoRA)."""
+        h, i = self.hidden, self.inter
+        return 12 * h * i + 18 * rank * (h + i)
+
+    def forward_flops(self, rank: int) -> float:
+        """FLOPs of one pair's forward alone (what a checkpointed recompute adds on the GPU)."""
+        h, i = self.hidden, self.inter
+        return 6 * h * i + 6 * rank * (h + i)
+
+    def gpu_pair_bytes(self) -> int:
+        """Activation bytes the recomputed layer keeps per GPU pair (fp32 gate, up, act, input)."""
+        return (3 * self.inter + self.hidden) * 4
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the machine does per second. None: unknown (no CUDA: no link and no GPU rate).
+
+    cpu_flops: the CPU expert op's effective rate, counted with ``LayerShape.pair_flops``;
+    link_bytes_s: pinned host -> GPU copy; gpu_flops: dense bf16 matmul (the non-expert work);
+    gpu_expert_flops: the GPU's rate on expert-shaped products (T·k/E rows per expert, with the
+    per-expert launch overhead), None: gpu_flops.
+    """
+
+    cpu_flops: float | None
+    link_bytes_s: float | None = None
+    gpu_flops: float | None = None
+    gpu_expert_flops: float | None = None
+    source: dict[str, str] = field(default_factory=dict, compare=False)  # figure -> where it came from
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.link_bytes_s is not None and self.gpu_flops is not None
+
+    @property
+    def expert_flops(self) -> float | None:
+        return self.gpu_expert_flops if self.gpu_expert_flops is not None else self.gpu_flops
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """Expert ids of one layer by placement; every id not listed is on the CPU."""
+
+    resident: tuple[int, ...] = ()
+    streamed: tuple[int, ...] = ()
+
+    def counts(self, num_experts: int) -> tuple[int, int, int]:
+        """(resident, streamed, CPU) expert counts."""
+        return len(self.resident), len(self.streamed), num_experts - len(self.resident) - len(self.streamed)
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    cpu_s: float
+    link_s: float
+    gpu_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.cpu_s, self.link_s, self.gpu_s)
+
+    @property
+    def bottleneck(self) -> str:
+        return max((self.cpu_s, "cpu"), (self.link_s, "link"), (self.gpu_s, "gpu"))[1]
+
+
+def pairs_per_expert(shape: LayerShape, popularity: Sequence[float] | None, tokens: int) -> list[float]:
+    """Expected (token, slot) pairs per expert in a micro-batch of ``tokens``: T·k·p_e / Σp."""
+    total_pairs = tokens * shape.top_k
+    if popularity is None or sum(popularity) <= 0:
+        return [total_pairs / shape.num_experts] * shape.num_experts
+    if len(popularity) != shape.num_experts:
+        raise ValueError(f"popularity has {len(popularity)} entries for {shape.num_experts} experts")
+    if any(p < 0 for p in popularity):
+        raise ValueError("popularity counts must be non-negative")
+    s = float(sum(popularity))
+    return [total_pairs * p / s for p in popularity]
+
+
+def times_from_pairs(
+    shape: LayerShape,
+    rates: Rates,
+    rank: int,
+    tokens: int,
+    cpu_pairs: float,
+    gpu_pairs: float,
+    n_streamed: int,
+) -> LayerTimes:
+    """The per-resource times of one layer from its pair counts and its number of streamed experts."""
+    cpu_s = 0.0
+    if cpu_pairs > 0:
+        if rates.cpu_flops is None:
+            raise ValueError("the CPU computes experts but the CPU rate is unknown")
+        cpu_s = cpu_pairs * shape.pair_flops(rank) / rates.cpu_flops
+    link_bytes = PASSES * n_streamed * shape.expert_bytes
+    if cpu_pairs > 0 and rates.link_bytes_s is not None:
+        # forward: input to the CPU, output back (fp32 when the GPU adds its share); backward: the
+        # incoming gradient to the CPU, the input gradient back
+        out_bytes = 4 if gpu_pairs > 0 else shape.act_bytes
+        link_bytes += tokens * shape.hidden * (3 * shape.act_bytes + out_bytes)
+    link_s = 0.0
+    if link_bytes:
+        if n_streamed and rates.link_bytes_s is None:
+            raise ValueError("experts are streamed but the link rate is unknown")
+        link_s = link_bytes / rates.link_bytes_s
+    gpu_s = 0.0
+    if gpu_pairs > 0:
+        if rates.expert_flops is None:
+            raise ValueError("the GPU computes experts but the GPU rate is unknown")
+        gpu_s = gpu_pairs * (shape.pair_flops(rank) + shape.forward_flops(rank)) / rates.expert_flops
+    return LayerTimes(cpu_s, link_s, gpu_s)
+
+
+def layer_times(
+    shape: LayerShape,
+    split: LayerSplit,
+    rates: Rates,
+    rank: int,
+    tokens: int,
+    popularity: Sequence[float] | None = None,
+) -> LayerTimes:
+    """Predicted seconds per step on each resource for one MoE layer under ``split``."""
+    pairs = pairs_per_expert(shape, popularity, tokens)
+    on_gpu = set(split.resident) | set(split.streamed)
+    gpu_pairs = sum(pairs[e] for e in on_gpu)
+    cpu_pairs = sum(p for e, p in enumerate(pairs) if e not in on_gpu)
+    return times_from_pairs(shape, rates, rank, tokens, cpu_pairs, gpu_pairs, len(split.streamed))
+
+
+def non_expert_flops(
+    linear_params: int,
+    head_params: int,
+    attn_layers: int,
+    heads: int,
+    head_dim: int,
+    seq_len: int,
+    batch: int,
+    recompute: bool = True,
+) -> float:
+    """FLOPs of one training step of everything but the routed experts, on the GPU.
+
+    Linear layers in the decoder layers (``linear_params`` weights; frozen, LoRA'd): forward
+    2·N·T, input gradient 2·N·T, and the checkpointed recompute another 2·N·T. The head (not
+    checkpointed): 4·N·T. Causal attention per layer and sequence: 2·S²·heads·head_dim forward
+    (QK^T and AV on half the square), twice that backward, once more recomputed. T = S·batch.
+    """
+    tokens = seq_len * batch
+    lin = (6 if recompute else 4) * linear_params * tokens
+    head = 4 * head_params * tokens
+    attn = (4 if recompute else 3) * 2 * seq_len * seq_len * heads * head_dim * batch * attn_layers
+    return float(lin + head + attn)
+
+
+@dataclass
+class Prediction:
+    """What a set of layer splits is predicted to cost."""
+
+    layers: list[LayerTimes]
+    nonexpert_s: float
+    resident_bytes: int
+    stream_buffer_bytes: int
+    expert_activation_bytes: int
+
+    @property
+    def step_s(self) -> float:
+        return sum(t.seconds for t in self.layers) + self.nonexpert_s
+
+    @property
+    def expert_gpu_bytes(self) -> int:
+        return self.resident_bytes + self.stream_buffer_bytes + self.expert_activation_bytes
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per step each resource is busy (summed over layers; the GPU adds the non-expert work)."""
+        return {
+            "cpu": sum(t.cpu_s for t in self.layers),
+            "link": sum(t.link_s for t in self.layers),
+            "gpu": sum(t.gpu_s for t in self.layers) + self.nonexpert_s,
+        }
+
+    @property
+    def bottleneck(self) -> str:
+        """The resource that bounds the most layers' time (their summed seconds)."""
+        by: dict[str, float] = {"cpu": 0.0, "link": 0.0, "gpu": self.nonexpert_s}
+        for t in self.layers:
+            by[t.bottleneck] += t.seconds
+        return max(by.items(), key=lambda kv: kv[1])[0]
+
+
+def expert_gpu_bytes(
+    shapes: Sequence[LayerShape],
+    splits: Sequence[LayerSplit],
+    tokens: int,
+    popularity: Sequence[Sequence[float] | None] | None = None,
+) -> tuple[int, int, int]:
+    """(resident weights, stream buffers, one layer's GPU expert activations) in bytes."""
+    resident = sum(len(s.resident) * sh.expert_bytes for sh, s in zip(shapes, splits, strict=True))
+    buffers = STREAM_BUFFERS * max(
+        (len(s.streamed) * sh.expert_bytes for sh, s in zip(shapes, splits)), default=0
+    )
+    act = 0
+    for i, (sh, s) in enumerate(zip(shapes, splits)):
+        on_gpu = set(s.resident) | set(s.streamed)
+        if on_gpu:
+            pairs = pairs_per_expert(sh, popularity[i] if popularity else None, tokens)
+            act = max(act, int(sum(pairs[e] for e in on_gpu) * sh.gpu_pair_bytes()))
+    return resident, buffers, act
+
+
+def predict(
+    shapes: Sequence[LayerShape],
+    splits: Sequence[LayerSplit],
+    rates: Rates,
+    rank: int,
+    tokens: int,
+    nonexpert_flops: float = 0.0,
+    popularity: Sequence[Sequence[float] | None] | None = None,
+) -> Prediction:
+    """Per-layer times, step time and expert GPU memory of ``splits`` (one per MoE layer)."""
+    if len(shapes) != len(splits):
+        raise ValueError(f"{len(shapes)} layer shapes but {len(splits)} splits")
+    pops = popularity or [None] * len(shapes)
+    times = [layer_times(sh, s, rates, rank, tokens, p) for sh, s, p in zip(shapes, splits, pops)]
+    nonexpert_s = nonexpert_flops / rates.gpu_flops if rates.gpu_flops else 0.0
+    res, buf, act = expert_gpu_bytes(shapes, splits, tokens, popularity)
+    return Prediction(times, nonexpert_s, res, buf, act)

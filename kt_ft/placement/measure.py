@@ -1,0 +1,315 @@
+"""The machine's rates for the cost model, measured in a few seconds and cached per machine.
+
+* CPU: the selected CPU backend's forward + backward on a small batch of real-shaped experts
+  (the layer's H and I, at most 8 experts, as many rows per expert as the planned micro-batch
+  gives: T·k/E, at most 512), counted with ``LayerShape.pair_flops``.
+* link: a pinned host -> GPU copy of 256 MiB.
+* GPU: a dense bf16 matmul (8192²), and the forward of 16 experts one after the other at the
+  layer's rows per expert (expert-shaped products with their launch overhead).
+
+Cached in ``~/.cache/kt-ft/rates.json`` (``KT_FT_CACHE_DIR`` moves it), keyed by the CPU model,
+physical cores / logical CPUs, the GPU's name and the torch version; the CPU figure also by
+backend, threads and the layer shape, the expert-GPU figure by shape. ``remeasure`` refreshes.
+Without CUDA the link and GPU figures are absent (the planner then keeps every expert on the
+CPU). Figures given as overrides (``parse_overrides``) are never measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..errors import KTConfigError
+from ..log import get_logger
+from .cost import LayerShape, Rates
+
+logger = get_logger(__name__)
+
+CACHE_ENV = "KT_FT_CACHE_DIR"
+OVERRIDE_KEYS = {
+    "cpu_token_us": "microseconds of CPU op per token of one MoE layer, forward + backward",
+    "cpu_pair_us": "microseconds of CPU op per (token, slot) pair, forward + backward",
+    "cpu_tflops": "the CPU op's effective TFLOP/s (12·H·I + 18·r·(H + I) FLOPs a pair)",
+    "link_gbps": "pinned host -> GPU copy, GB/s (1e9 bytes)",
+    "gpu_tflops": "dense bf16 matmul TFLOP/s",
+    "gpu_expert_tflops": "the GPU's TFLOP/s on expert-shaped products (default: gpu_tflops)",
+}
+
+
+def parse_overrides(text: str | None) -> dict[str, float]:
+    """``"cpu_token_us=90,link_gbps=55"`` -> {key: value}; KTConfigError naming the valid keys."""
+    out: dict[str, float] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        valid = "; ".join(f"{k} ({v})" for k, v in OVERRIDE_KEYS.items())
+        if not sep or key not in OVERRIDE_KEYS:
+            raise KTConfigError(f"--rates {text!r}: {item.strip()!r} is not KEY=NUMBER; valid keys: {valid}")
+        try:
+            v = float(value)
+        except ValueError:
+            v = float("nan")
+        if not math.isfinite(v) or v <= 0:
+            raise KTConfigError(f"--rates {text!r}: {key}={value.strip()!r}: expected a positive number")
+        out[key] = v
+    if sum(k.startswith("cpu_") for k in out) > 1:
+        raise KTConfigError(f"--rates {text!r}: give one of cpu_token_us, cpu_pair_us, cpu_tflops")
+    return out
+
+
+def apply_overrides(rates: Rates, overrides: dict[str, float], shape: LayerShape, rank: int) -> Rates:
+    """``rates`` with the figures ``overrides`` gives replaced (the CPU ones converted with ``shape``)."""
+    fig = {
+        "cpu_flops": rates.cpu_flops,
+        "link_bytes_s": rates.link_bytes_s,
+        "gpu_flops": rates.gpu_flops,
+        "gpu_expert_flops": rates.gpu_expert_flops,
+    }
+    src = dict(rates.source)
+    pair = shape.pair_flops(rank)
+    conv = {
+        "cpu_token_us": ("cpu_flops", lambda v: shape.top_k * pair / (v * 1e-6)),
+        "cpu_pair_us": ("cpu_flops", lambda v: pair / (v * 1e-6)),
+        "cpu_tflops": ("cpu_flops", lambda v: v * 1e12),
+        "link_gbps": ("link_bytes_s", lambda v: v * 1e9),
+        "gpu_tflops": ("gpu_flops", lambda v: v * 1e12),
+        "gpu_expert_tflops": ("gpu_expert_flops", lambda v: v * 1e12),
+    }
+    for key, value in overrides.items():
+        name, f = conv[key]
+        fig[name] = f(value)
+        src[name] = f"given ({key}={value:g})"
+    return Rates(**fig, source=src)
+
+
+def cache_path() -> Path:
+    root = os.environ.get(CACHE_ENV) or str(Path.home() / ".cache" / "kt-ft")
+    return Path(root) / "rates.json"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_key(cuda: bool) -> str:
+    """CPU model, physical cores / logical CPUs, GPU name (or "no GPU"), torch version."""
+    import torch
+
+    from ..hparams import physical_cpu_cores
+
+    gpu = torch.cuda.get_device_name(0) if cuda else "no GPU"
+    return f"{_cpu_model()} | {physical_cpu_cores()}c/{os.cpu_count()}t | {gpu} | torch {torch.__version__}"
+
+
+def rows_per_expert(shape: LayerShape, tokens: int) -> int:
+    """Rows an expert's products get in a micro-batch of ``tokens`` (T·k/E), in 1..512."""
+    return max(1, min(512, round(tokens * shape.top_k / shape.num_experts)))
+
+
+def _best(fn: Callable[[], None], repeat: int, sync: Callable[[], None] = lambda: None) -> float:
+    fn()  # warm-up
+    sync()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_cpu_flops(shape: LayerShape, backend: str, threads: int, tokens: int, rank: int = 8) -> float:
+    """The CPU op's effective FLOP/s (``pair_flops``) on a small real-shaped batch (see module doc)."""
+    import torch
+
+    from ..bench import Preset, bench_op, random_layer
+    from ..kernels import select_backend
+
+    experts = min(shape.num_experts, 8)
+    k = min(shape.top_k, max(1, experts // 2))
+    t = math.ceil(rows_per_expert(shape, tokens) * experts / k)
+    name = select_backend(backend, torch.bfloat16)[0].name
+    p = Preset("measure", shape.hidden, shape.inter, experts, k, 1)
+    gen = torch.Generator().manual_seed(0)
+    rec = bench_op(p, random_layer(p, rank, gen), name, t, threads, 2, gen)
+    return t * k * LayerShape(experts, shape.hidden, shape.inter, k).pair_flops(rank) / rec.seconds
+
+
+def _sync(device: str) -> Callable[[], None]:
+    import torch
+
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def measure_link_bytes_s(nbytes: int = 256 * 2**20, device: str = "cuda") -> float:
+    """Host -> ``device`` copy rate from pinned memory (``cpu``: a plain memory copy, for the bench's
+    CPU-only smoke run where the "GPU" is the CPU)."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src = src.pin_memory() if cuda else src
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / _best(lambda: dst.copy_(src, non_blocking=cuda), 5, _sync(device))
+
+
+def measure_gpu_flops(n: int = 8192, device: str = "cuda") -> float:
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+
+    def run():
+        for _ in range(5):
+            a @ b
+
+    return 5 * 2 * n**3 / _best(run, 3, _sync(device))
+
+
+def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda") -> float:
+    """Forward of 16 experts one after another at the layer's rows per expert (products and
+    launches as the resident experts run them), counted as 6·H·I FLOPs a row."""
+    import torch
+
+    e, h, i = min(16, shape.num_experts), shape.hidden, shape.inter
+    m = rows_per_expert(shape, tokens)
+    dev, bf = device, torch.bfloat16
+    gate_up = torch.randn(e, 2 * i, h, device=dev, dtype=bf) * h**-0.5
+    down = torch.randn(e, h, i, device=dev, dtype=bf) * i**-0.5
+    x = torch.randn(m, h, device=dev, dtype=bf)
+
+    def run():
+        for j in range(e):
+            g = x @ gate_up[j].T
+            (torch.nn.functional.silu(g[:, :i]) * g[:, i:]) @ down[j].T
+
+    return e * 6 * h * i * m / _best(run, 3, _sync(device))
+
+
+def device_rates_on_cpu(rates: Rates, shape: LayerShape, tokens: int) -> Rates:
+    """``rates`` with the link and GPU figures measured on the CPU device (not cached): the bench's
+    CPU-only smoke run, where resident experts live on the CPU device, plans with them."""
+    return Rates(
+        rates.cpu_flops,
+        measure_link_bytes_s(64 * 2**20, "cpu"),
+        measure_gpu_flops(512, "cpu"),
+        measure_gpu_expert_flops(shape, tokens, "cpu"),
+        {
+            **rates.source,
+            "link_bytes_s": "CPU device",
+            "gpu_flops": "CPU device",
+            "gpu_expert_flops": "CPU device",
+        },
+    )
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(data: dict) -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as e:  # a read-only home must not stop a run: the figures are still used
+        logger.warning(f"could not write the rates cache {path}: {e}")
+
+
+def machine_rates(
+    shape: LayerShape,
+    backend: str,
+    threads: int,
+    tokens: int,
+    rank: int = 8,
+    remeasure: bool = False,
+    overrides: dict[str, float] | None = None,
+    cuda: bool | None = None,
+) -> Rates:
+    """The rates for ``shape`` on this machine: overrides, else the cache, else measured (and cached)."""
+    import torch
+
+    overrides = overrides or {}
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    data = _load_cache()
+    key = machine_key(cuda)
+    entry = data.setdefault(key, {})
+    src: dict[str, str] = {}
+    changed = False
+
+    def figure(name: str, sub: str | None, given: bool, measure: Callable[[], float]) -> float | None:
+        nonlocal changed
+        if given:
+            return None  # apply_overrides fills it
+        box = entry.setdefault(name, {}) if sub is not None else entry
+        slot = sub if sub is not None else name
+        if slot in box and not remeasure:
+            src[name] = f"cached ({cache_path()})"
+            return float(box[slot])
+        t0 = time.perf_counter()
+        value = measure()
+        box[slot] = value
+        changed = True
+        src[name] = f"measured in {time.perf_counter() - t0:.1f} s"
+        return value
+
+    rows = rows_per_expert(shape, tokens)
+    cpu_given = any(k.startswith("cpu_") for k in overrides)
+    cpu_key = f"{backend} | {threads} threads | H {shape.hidden} I {shape.inter} | {rows} rows"
+    cpu = figure(
+        "cpu_flops", cpu_key, cpu_given, lambda: measure_cpu_flops(shape, backend, threads, tokens, rank)
+    )
+    link = gpu = gpu_e = None
+    if cuda:
+        link = figure("link_bytes_s", None, "link_gbps" in overrides, measure_link_bytes_s)
+        gpu = figure("gpu_flops", None, "gpu_tflops" in overrides, measure_gpu_flops)
+        e_key = f"H {shape.hidden} I {shape.inter} | {rows} rows"
+        gpu_e = figure(
+            "gpu_expert_flops",
+            e_key,
+            "gpu_expert_tflops" in overrides,
+            lambda: measure_gpu_expert_flops(shape, tokens),
+        )
+    if changed:
+        _save_cache(data)
+    return apply_overrides(Rates(cpu, link, gpu, gpu_e, src), overrides, shape, rank)
+
+
+def describe(rates: Rates, shape: LayerShape, rank: int) -> list[str]:
+    """One line per figure with where it came from, in the units of ``OVERRIDE_KEYS``."""
+    lines = []
+    if rates.cpu_flops:
+        us = shape.top_k * shape.pair_flops(rank) / rates.cpu_flops * 1e6
+        lines.append(
+            f"CPU op {rates.cpu_flops / 1e12:.3g} TFLOP/s ({us:.1f} us a token of one layer) "
+            f"[{rates.source.get('cpu_flops', '?')}]"
+        )
+    for name, label, scale, unit in (
+        ("link_bytes_s", "link", 1e9, "GB/s"),
+        ("gpu_flops", "GPU matmul", 1e12, "TFLOP/s"),
+        ("gpu_expert_flops", "GPU experts", 1e12, "TFLOP/s"),
+    ):
+        v = getattr(rates, name)
+        if v is not None:
+            lines.append(f"{label} {v / scale:.3g} {unit} [{rates.source.get(name, '?')}]")
+        elif name != "gpu_expert_flops":
+            lines.append(f"{label}: unknown (no CUDA device here; give it with --rates)")
+    return lines

@@ -1,0 +1,190 @@
+"""Choose each MoE layer's split (resident / streamed / CPU experts) that minimises the predicted
+step time of ``cost.py`` under a GPU memory budget for the routed experts.
+
+Within a layer only the *counts* matter for the time once experts are ranked by popularity:
+the least popular belong on the CPU (its cost is per pair), a streamed expert costs the same
+link time whatever its popularity, and which of the GPU ones are resident rather than streamed
+changes no time. So a layer's split is (r, s): its r most popular experts resident, the next s
+streamed, the rest on the CPU.
+
+Search: for every stream-buffer size S (the most experts any layer streams, 0..E; 0 only when
+streaming is not available), the memory left after 2·S experts of buffers and one layer's GPU
+activations (worst case: every pair of a layer on the GPU) goes to resident experts, taken in one
+global order (most routed pairs first, then lower layer, then lower id) until the next does not
+fit; then each layer takes the s <= min(S, E - r) that minimises max(cpu, link, gpu) (ties: the
+smaller s). The S with the smallest predicted step wins (ties: the smaller S, less memory).
+Deterministic for the same inputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .cost import (
+    STREAM_BUFFERS,
+    LayerShape,
+    LayerSplit,
+    Prediction,
+    Rates,
+    pairs_per_expert,
+    predict,
+    times_from_pairs,
+)
+
+_REL_TIE = 1e-9  # predicted steps closer than this (relative) count as equal
+
+
+@dataclass
+class PlannerInput:
+    """One MoE layer: its decoder-layer index, shape and routing counts per expert (None: uniform)."""
+
+    layer: int
+    shape: LayerShape
+    popularity: Sequence[float] | None = None
+
+
+@dataclass
+class Choice:
+    """The planner's answer: one split per input layer (same order), its prediction, and why."""
+
+    layers: list[int]
+    splits: list[LayerSplit]
+    prediction: Prediction
+    budget_bytes: int | None
+    notes: list[str]
+
+
+def _ranked(inp: PlannerInput, tokens: int) -> tuple[list[int], list[float]]:
+    """Expert ids by popularity (most routed first, ties: lower id) and their pairs in that order."""
+    pairs = pairs_per_expert(inp.shape, inp.popularity, tokens)
+    order = sorted(range(inp.shape.num_experts), key=lambda e: (-pairs[e], e))
+    return order, [pairs[e] for e in order]
+
+
+def _global_order(ranked_pairs: list[list[float]]) -> list[int]:
+    """Layer positions in the order resident experts are taken: most pairs first (then lower
+    layer position); each layer's experts in its own ranking order."""
+    heap = [(-p[0], i, 0) for i, p in enumerate(ranked_pairs) if p]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, i, j = heapq.heappop(heap)
+        out.append(i)
+        if j + 1 < len(ranked_pairs[i]):
+            heapq.heappush(heap, (-ranked_pairs[i][j + 1], i, j + 1))
+    return out
+
+
+class _StreamSearch:
+    """(s, seconds): the stream count in 0..s_max minimising one layer's time with r resident.
+
+    Memoised per (layer class, r) as running minima over s, so layers with the same shape and
+    ranked pairs (every layer, with uniform popularity) share the work."""
+
+    def __init__(self, rates: Rates, rank: int, tokens: int) -> None:
+        self.rates, self.rank, self.tokens = rates, rank, tokens
+        self._memo: dict[tuple, list[tuple[int, float]]] = {}
+
+    def best(self, key, shape: LayerShape, prefix: list[float], r: int, s_max: int) -> tuple[int, float]:
+        run = self._memo.setdefault((key, r), [])
+        total = prefix[-1]
+        while len(run) <= s_max:
+            s = len(run)
+            gpu_pairs = prefix[r + s]
+            t = times_from_pairs(
+                shape, self.rates, self.rank, self.tokens, total - gpu_pairs, gpu_pairs, s
+            ).seconds
+            run.append((s, t) if not run or t < run[-1][1] * (1 - _REL_TIE) else run[-1])
+        return run[s_max]
+
+
+def choose_splits(
+    inputs: Sequence[PlannerInput],
+    rates: Rates,
+    rank: int,
+    tokens: int,
+    budget_bytes: int | None,
+    allow_stream: bool = True,
+    nonexpert_flops: float = 0.0,
+) -> Choice:
+    """The split per layer minimising the predicted step time.
+
+    ``budget_bytes``: GPU memory the routed experts may take (resident weights, stream buffers,
+    their activations); None or <= 0: nothing on the GPU. ``allow_stream``: False where streamed
+    experts cannot run. Without the link and GPU rates (no CUDA) every expert is on the CPU.
+    """
+    notes: list[str] = []
+    pops = [i.popularity for i in inputs]
+    shapes = [i.shape for i in inputs]
+    all_cpu = [LayerSplit() for _ in inputs]
+
+    def done(splits):
+        return Choice(
+            [i.layer for i in inputs],
+            splits,
+            predict(shapes, splits, rates, rank, tokens, nonexpert_flops, pops),
+            budget_bytes,
+            notes,
+        )
+
+    if not inputs:
+        return done([])
+    if not rates.has_gpu:
+        notes.append("no link / GPU rate (no CUDA device measured): every routed expert on the CPU")
+        return done(all_cpu)
+    if rates.cpu_flops is None:
+        raise ValueError("the CPU op's rate is unknown: measure it or give it (cpu_token_us=...)")
+    if budget_bytes is None or budget_bytes <= 0:
+        notes.append("no GPU memory left for routed experts: every routed expert on the CPU")
+        return done(all_cpu)
+
+    ranked = [_ranked(i, tokens) for i in inputs]
+    prefixes = []
+    for _, pairs in ranked:
+        pre = [0.0]
+        for p in pairs:
+            pre.append(pre[-1] + p)
+        prefixes.append(pre)
+    order = _global_order([pairs for _, pairs in ranked])
+    # cumulative resident bytes along the global order, and each layer's positions in it
+    cum = [0]
+    positions: list[list[int]] = [[] for _ in inputs]
+    for pos, i in enumerate(order):
+        cum.append(cum[-1] + shapes[i].expert_bytes)
+        positions[i].append(pos)
+    act = max(tokens * sh.top_k * sh.gpu_pair_bytes() for sh in shapes)  # a whole layer on the GPU
+    max_e = max(sh.num_experts for sh in shapes)
+    max_b = max(sh.expert_bytes for sh in shapes)
+
+    search = _StreamSearch(rates, rank, tokens)
+    classes: dict[tuple, int] = {}
+    keys = [classes.setdefault((sh, tuple(pre)), len(classes)) for sh, pre in zip(shapes, prefixes)]
+    best: tuple[float, int, list[LayerSplit]] | None = None
+    for cap_s in range(max_e + 1) if allow_stream else [0]:
+        left = budget_bytes - act - STREAM_BUFFERS * cap_s * max_b
+        if left < 0:
+            break  # larger buffers fit even less
+        n_res = bisect.bisect_right(cum, left) - 1  # resident experts that fit, in the global order
+        step = 0.0
+        splits = []
+        for i, inp in enumerate(inputs):
+            r = bisect.bisect_left(positions[i], n_res)
+            s_max = min(cap_s, inp.shape.num_experts - r)
+            s, t = search.best(keys[i], inp.shape, prefixes[i], r, s_max)
+            ids = ranked[i][0]
+            splits.append(LayerSplit(tuple(sorted(ids[:r])), tuple(sorted(ids[r : r + s]))))
+            step += t
+        if best is None or step < best[0] * (1 - _REL_TIE):
+            best = (step, cap_s, splits)
+    if best is None:
+        notes.append(
+            f"the routed experts' GPU budget ({budget_bytes / 2**30:.2f} GiB) is below one layer's expert "
+            f"activations ({act / 2**30:.2f} GiB): every routed expert on the CPU"
+        )
+        return done(all_cpu)
+    if not allow_stream:
+        notes.append("streamed experts are not available in this version: resident or CPU only")
+    return done(best[2])

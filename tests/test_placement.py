@@ -1,0 +1,135 @@
+"""The placement cost model and planner (kt_ft/placement) against hand-computed cases.
+
+Shape used throughout: E 4, H 100, I 50, top-2, bf16 weights, LoRA rank 0 (so a pair is
+12·H·I = 60,000 FLOPs forward + backward, its forward 30,000), expert bytes 3·H·I·2 = 30,000;
+10 tokens -> 20 pairs a layer, 5 per expert when uniform. Rates: the CPU 60,000 FLOP/s (1 s a
+pair), the GPU 9e10 FLOP/s (1e-6 s a GPU pair: 90,000 FLOPs with the recompute), the link
+60,000 B/s (a streamed expert: 2 passes x 30,000 B = 1 s) unless a test says otherwise.
+One layer's GPU activations, reserved whenever experts go to the GPU: 20 pairs x (3·50 + 100) x 4
+= 20,000 B.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kt_ft.placement.cost import LayerShape, LayerSplit, Rates, layer_times, non_expert_flops, predict
+from kt_ft.placement.planner import PlannerInput, choose_splits
+
+SHAPE = LayerShape(num_experts=4, hidden=100, inter=50, top_k=2, weight_bytes=2, act_bytes=2)
+B = 30_000  # bytes per expert
+ACT = 20_000  # one layer's GPU expert activations, all 20 pairs
+T = 10
+FAST = Rates(cpu_flops=60_000, link_bytes_s=60_000, gpu_flops=9e10)
+
+
+def test_shape_counts():
+    assert SHAPE.expert_bytes == B
+    assert SHAPE.pair_flops(0) == 60_000 and SHAPE.forward_flops(0) == 30_000
+    assert SHAPE.pair_flops(2) == 60_000 + 18 * 2 * 150  # LoRA: 18·r·(H + I)
+    assert SHAPE.gpu_pair_bytes() == (3 * 50 + 100) * 4
+
+
+def test_layer_times_by_hand():
+    # all CPU: 20 pairs x 1 s; the link carries x in, out back, grad in, grad x back: 10·100·(3·2 + 2) B
+    t = layer_times(SHAPE, LayerSplit(), FAST, 0, T)
+    assert t.cpu_s == pytest.approx(20) and t.gpu_s == 0
+    assert t.link_s == pytest.approx(10 * 100 * 8 / 60_000)
+    assert t.seconds == pytest.approx(20) and t.bottleneck == "cpu"
+    # expert 0 resident, 1 streamed: CPU 10 pairs; link 2·30,000 B + activations with an fp32 output
+    t = layer_times(SHAPE, LayerSplit((0,), (1,)), FAST, 0, T)
+    assert t.cpu_s == pytest.approx(10)
+    assert t.link_s == pytest.approx((2 * B + 10 * 100 * (3 * 2 + 4)) / 60_000)
+    assert t.gpu_s == pytest.approx(10 * 90_000 / 9e10)
+    # popularity: expert 1 takes half the pairs
+    t = layer_times(SHAPE, LayerSplit((1,), ()), FAST, 0, T, popularity=[1, 4, 2, 1])
+    assert t.cpu_s == pytest.approx(10) and t.gpu_s == pytest.approx(10 * 1e-6)
+
+
+def test_rates_must_exist_for_what_is_used():
+    with pytest.raises(ValueError, match="link rate is unknown"):
+        layer_times(SHAPE, LayerSplit((), (0,)), Rates(cpu_flops=1.0), 0, T)
+    with pytest.raises(ValueError, match="GPU rate is unknown"):
+        layer_times(SHAPE, LayerSplit((0,), ()), Rates(cpu_flops=1.0), 0, T)
+
+
+def test_predict_memory_and_step():
+    splits = [LayerSplit((0, 1), (2,)), LayerSplit((), (0, 1, 3))]
+    p = predict([SHAPE, SHAPE], splits, FAST, 0, T, nonexpert_flops=9e10)
+    assert p.resident_bytes == 2 * B
+    assert p.stream_buffer_bytes == 2 * 3 * B  # two buffers of the layer streaming the most (3)
+    assert p.expert_activation_bytes == 15 * (3 * 50 + 100) * 4  # layer 1: 15 GPU pairs
+    assert p.nonexpert_s == pytest.approx(1.0)
+    assert p.step_s == pytest.approx(sum(t.seconds for t in p.layers) + 1.0)
+    # layer 0: CPU 5 s; layer 1: CPU 5 s, link 3 s + activations
+    assert [t.cpu_s for t in p.layers] == pytest.approx([5, 5])
+
+
+def test_non_expert_flops_by_hand():
+    # 1000 linear weights, 200 head weights, 2 attention layers of 4 heads x 8, seq 16, batch 2
+    f = non_expert_flops(1000, 200, 2, 4, 8, 16, 2)
+    assert f == 6 * 1000 * 32 + 4 * 200 * 32 + 4 * 2 * 16 * 16 * 4 * 8 * 2 * 2
+    assert non_expert_flops(1000, 0, 0, 1, 1, 16, 1, recompute=False) == 4 * 1000 * 16
+
+
+def layers(n, popularity=None):
+    return [PlannerInput(i, SHAPE, popularity) for i in range(n)]
+
+
+def test_big_cap_puts_everything_resident():
+    c = choose_splits(layers(8), FAST, 0, T, budget_bytes=ACT + 32 * B)
+    assert all(s == LayerSplit((0, 1, 2, 3), ()) for s in c.splits)
+    assert c.prediction.step_s == pytest.approx(8 * 20 * 1e-6)
+    assert c.prediction.bottleneck == "gpu"
+
+
+def test_cpu_bound_machine_streams():
+    # budget for 8 experts: S=4 buffers (all streamed, 8 x 4 s = 32 s) beats S=3 (2 resident:
+    # 2 + 7 x 5 = 37 s), S=2 (70 s), S=1 (95 s) and S=0 (8 resident, 6 CPU layers x 20 = 120 s)
+    c = choose_splits(layers(8), FAST, 0, T, budget_bytes=ACT + 8 * B)
+    assert all(s == LayerSplit((), (0, 1, 2, 3)) for s in c.splits)
+    assert c.prediction.step_s == pytest.approx(32)
+    assert c.prediction.bottleneck == "link"
+    assert c.prediction.stream_buffer_bytes == 8 * B and c.prediction.resident_bytes == 0
+
+
+def test_slow_link_streams_nothing():
+    # link 1,000 B/s: a streamed expert costs 60 s; S=0 (layers 0 and 1 resident, 6 x 20 s = 120 s)
+    # beats S=1 (130 s) and every larger S
+    slow = Rates(cpu_flops=60_000, link_bytes_s=1_000, gpu_flops=9e10)
+    c = choose_splits(layers(8), slow, 0, T, budget_bytes=ACT + 8 * B)
+    assert [s.streamed for s in c.splits] == [()] * 8
+    assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 2 + [()] * 6
+    assert c.prediction.step_s == pytest.approx(120 + 2 * 20e-6)
+
+
+def test_no_room_or_no_gpu_means_all_cpu():
+    for budget in (None, 0, ACT + B - 1):
+        c = choose_splits(layers(3), FAST, 0, T, budget_bytes=budget)
+        assert c.splits == [LayerSplit()] * 3
+    c = choose_splits(layers(3), Rates(cpu_flops=60_000), 0, T, budget_bytes=10**12)
+    assert c.splits == [LayerSplit()] * 3 and "no link / GPU rate" in c.notes[0]
+    assert c.prediction.step_s == pytest.approx(3 * 20)
+
+
+def test_most_popular_expert_goes_resident():
+    # pairs [2, 10, 6, 2]: room for one resident (no stream buffers: 2 x B > what is left)
+    c = choose_splits(layers(1, [1, 5, 3, 1]), FAST, 0, T, budget_bytes=ACT + B)
+    assert c.splits == [LayerSplit((1,), ())]
+    assert c.prediction.layers[0].cpu_s == pytest.approx(10)
+    # across layers: the layer whose next expert has more pairs goes first
+    ins = [PlannerInput(0, SHAPE, [1, 1, 1, 1]), PlannerInput(1, SHAPE, [1, 5, 3, 1])]
+    c = choose_splits(ins, FAST, 0, T, budget_bytes=ACT + 2 * B, allow_stream=False)
+    assert c.splits == [LayerSplit(), LayerSplit((1, 2), ())]
+
+
+def test_without_streaming_resident_only():
+    c = choose_splits(layers(8), FAST, 0, T, budget_bytes=ACT + 8 * B, allow_stream=False)
+    assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 2 + [()] * 6
+    assert all(not s.streamed for s in c.splits)
+
+
+def test_deterministic():
+    a = choose_splits(layers(5, [3, 1, 4, 1]), FAST, 0, T, budget_bytes=ACT + 6 * B)
+    b = choose_splits(layers(5, [3, 1, 4, 1]), FAST, 0, T, budget_bytes=ACT + 6 * B)
+    assert a.splits == b.splits

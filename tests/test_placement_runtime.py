@@ -1,0 +1,122 @@
+"""`placement: auto` in a run, on the CPU (the "GPU" is the CPU, as in test_resident.py): the split
+chosen at start, routing counts, re-planning of the resident experts from them, and training that
+matches the all-CPU placement whatever the re-plans do (fp32 losses rel 1e-5: test_resident.py's bound).
+
+Tiny Qwen3-MoE: H 64, 8 experts of I 32, top-2, 2 MoE layers, fp32 (an expert 24,576 bytes);
+micro-batch 2 x 12 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_resident import ALPHA, RANK, batches, build, kt_layers, train
+
+from kt_ft.placement.cost import Rates
+from kt_ft.placement.runtime import Replanner, auto_at_start, tv_distance
+from kt_ft.rules import load_rules, make_plan
+from kt_ft.rules.report import TrainSizes, estimate
+
+AUTO_RULE = "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch, placement: auto}\n"
+EXPERT = 3 * 64 * 32 * 4
+SIZES = TrainSizes(12, 2, RANK)
+ACT = 24 * 2 * (3 * 32 + 64) * 4  # the planner's reserve: one layer, every pair on the GPU
+FAST_GPU = Rates(cpu_flops=1e9, link_bytes_s=1e12, gpu_flops=1e13)
+
+
+def auto_model(tmp_path, n_resident):
+    """The tiny model of test_resident.build (same seeds, so the same weights and LoRA init) under
+    the auto rule, with a GPU cap that leaves room for ``n_resident`` experts."""
+    from peft import LoraConfig, get_peft_model
+    from test_parity import ATTN
+    from tiny_models import tiny_model
+
+    from kt_ft.models import FAMILIES
+    from kt_ft.moe.patch import replace_routed_experts
+
+    rule = tmp_path / "auto.yaml"
+    rule.write_text(AUTO_RULE)
+    model = get_peft_model(
+        tiny_model(), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN, lora_dropout=0.0)
+    )
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(7)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    plan = make_plan(model, load_rules(rule), FAMILIES["qwen3_moe"], "torch", 2)
+    base = estimate(model, plan, torch.float32, SIZES)["devices"]["cuda:0"]["total_bytes"]
+    cap_gib = (base + ACT + n_resident * EXPERT) / 2**30
+    ctx, choice = auto_at_start(model, plan, SIZES, gpu_memory_gib=cap_gib, rates=FAST_GPU)
+    replace_routed_experts(model, plan, RANK, ALPHA / RANK, 4096, seed=1)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(9)
+        for m in kt_layers(model):
+            for n in ("gate_b", "up_b", "down_b"):
+                getattr(m, n).copy_(torch.randn(getattr(m, n).shape, generator=gen) * 0.05)
+    return model, ctx, choice
+
+
+def test_tv_distance():
+    assert tv_distance([1, 1, 0, 0], [0, 0, 1, 1]) == 1.0
+    assert tv_distance([2, 2], [5, 5]) == 0.0
+    assert tv_distance([3, 1], [0, 0]) == pytest.approx(0.25)  # all-zero: uniform
+
+
+def test_auto_at_start_places_what_fits(tmp_path):
+    model, _, choice = auto_model(tmp_path, 3)
+    # uniform popularity, a fast GPU: 3 resident experts, in the global order (layer 0 first)
+    assert [kt.resident.ids if kt.resident else () for kt in kt_layers(model)] == [(0, 1, 2), ()]
+    assert [s.resident for s in choice.splits] == [(0, 1, 2), ()]
+
+
+def test_routing_counts_and_replan_keep_training_exact(tmp_path):
+    rule = tmp_path / "cpu.yaml"
+    rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch}\n")
+    data = batches()
+    ref = train(build(rule), data, 4, gc=True)
+
+    model, ctx, _ = auto_model(tmp_path, 3)
+    rp = Replanner(ctx, every=2, threshold=0.1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(4):
+        if step == 2:
+            counts = rp.take_counts()
+            # 2 steps x 24 tokens x top-2, counted by the first pass and the recompute: 192 a layer
+            assert sorted(counts) == [0, 1] and all(sum(c) == 2 * 24 * 2 * 2 for c in counts.values())
+            # layer 1 now routes mostly to experts 6 and 4: they become the resident ones
+            assert rp.replan({0: [1.0] * 8, 1: [0, 0, 0, 0, 50, 0, 90, 1]})
+            assert [kt.resident.ids if kt.resident else () for kt in kt_layers(model)] == [(0,), (4, 6)]
+        ids = data[step % len(data)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses == pytest.approx(ref, rel=1e-5)
+
+
+def test_replanner_checks_every_n_steps_and_threshold(tmp_path):
+    model, ctx, _ = auto_model(tmp_path, 3)
+    rp = Replanner(ctx, every=2, threshold=0.5)
+    calls = []
+    rp.replan = lambda counts, drift=0: calls.append(drift) or True
+    for m in kt_layers(model):
+        m.routing_counts = torch.tensor([1, 1, 1, 1, 1, 1, 1, 1])
+    assert not rp.step(1) and calls == []  # not a check step; counts kept
+    assert not rp.step(2) and calls == []  # uniform: no drift from the uniform start
+    for m in kt_layers(model):
+        m.routing_counts = torch.tensor([9, 1, 0, 0, 0, 0, 0, 0])
+    assert rp.step(4) and calls == [pytest.approx(0.5 * (0.775 + 0.025 + 6 * 0.125))]
+
+
+def test_replanner_is_idle_without_gpu_rates(tmp_path):
+    model, ctx, _ = auto_model(tmp_path, 3)
+    ctx.rates = Rates(cpu_flops=1e9)
+    rp = Replanner(ctx, every=1, threshold=0.01)
+    assert not any(m.count_routing for m in kt_layers(model))
+    assert not rp.step(1)
