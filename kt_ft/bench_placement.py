@@ -123,15 +123,10 @@ def run_placement(
     ``all_gpu``: False leaves out the transformers + PEFT run (``--systems`` without peft-gpu)."""
     from tqdm import tqdm
 
-    from .placement.auto import stream_available
-
     n_layers = layers or min(MODEL_CONFIGS[preset][1]["num_hidden_layers"], 4)
     jobs: list[tuple[str, str | None, float | None]] = [("kt-ft", "cpu", None)]
     jobs += [("kt-ft", "auto", c) for c in caps]
-    if stream_available():
-        jobs += [("kt-ft", "stream", c) for c in caps]
-    else:
-        print("skipping kt-ft[stream]: streamed experts are not in this version of kt-ft")
+    jobs += [("kt-ft", "stream", c) for c in caps]
     if all_gpu:
         jobs.append(("peft-gpu", None, None))
     records: list[StepRecord] = []

@@ -17,15 +17,9 @@ import torch
 from ..log import fmt_bytes
 from ..rules.plan import ExpertPlacement, PlacementPlan
 from ..rules.report import TrainSizes, _expert_dims, estimate
-from ..rules.schema import KEYS_ACTION, GpuExpertSpec
+from ..rules.schema import GpuExpertSpec
 from .cost import LayerShape, LayerSplit, Prediction, Rates, non_expert_flops, predict
 from .planner import Choice, PlannerInput, choose_splits
-
-
-def stream_available() -> bool:
-    """Whether this version runs streamed experts: true once the rule language has the `stream` key
-    (the branch that adds it adds the runtime with it)."""
-    return "stream" in KEYS_ACTION
 
 
 def auto_layers(plan: PlacementPlan) -> list[ExpertPlacement]:
@@ -152,7 +146,7 @@ def plan_auto(
     inputs = [
         PlannerInput(e.layer, layer_shape(model, e, dtype), (popularity or {}).get(e.layer)) for e in autos
     ]
-    stream = stream_available() if allow_stream is None else allow_stream
+    stream = True if allow_stream is None else allow_stream
     choice = choose_splits(
         inputs,
         rates,
