@@ -134,3 +134,25 @@ def test_check_lists_schema_include_and_device_problems_together(tmp_path, capsy
     assert f"{rule}:4: [0].replace.device: 'cuda:3' does not exist: this machine has " in err
     assert f"{rule}:5: [0].replace.backend: 'amx'; valid choices: auto, torch, reference, kt-kernel" in err
     assert f"{rule}:6: [1].include: 'nope.yaml': no file {tmp_path / 'nope.yaml'} and no built-in rule" in err
+
+
+def test_lora_count_is_the_same_on_a_peft_wrapped_model():
+    """placement: auto plans on the PEFT model during a run: its wrapped layers count once (not also
+    their base_layer and lora_A / lora_B)."""
+    from peft import LoraConfig, get_peft_model
+    from tiny_models import tiny_model
+
+    from kt_ft.models import FAMILIES
+    from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+    from kt_ft.rules.report import TrainSizes, estimate
+
+    fam, rules = FAMILIES["qwen3_moe"], load_rules(resolve_rule_path("qwen3_moe"))
+    sizes = TrainSizes(cutoff_len=64, batch=1, lora_rank=8)
+    counts = []
+    for wrap in (False, True):
+        model = tiny_model("qwen3_moe")
+        if wrap:
+            model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+        plan = make_plan(model, rules, fam, "torch", 2, planning_only=True)
+        counts.append(estimate(model, plan, torch.float32, sizes)["lora"])
+    assert counts[0] == counts[1] and counts[0]["peft_params"] > 0

@@ -184,6 +184,10 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
             continue
         if any(name == e or name.startswith(f"{e}.") for e in experts):
             continue
+        # a PEFT-wrapped model (placement: auto plans during a run): count each wrapped layer once,
+        # not its base_layer and lora_A / lora_B again
+        if ".lora_" in name or name.endswith(".base_layer"):
+            continue
         n = sizes.lora_rank * (m.in_features + m.out_features)
         lora["peft_params"] += n
         dev(_device(plan.module_devices.get(name, "cuda")))["lora_params"] += n
