@@ -75,6 +75,14 @@ def torchrun_env(procs: int) -> dict[str, str]:
     }
 
 
+def failure_text(log: str, tail: int = 3000) -> str:
+    """What a failed run said: lines that name a crash (a C++ abort names itself before torchrun's
+    summary, which the tail alone would cut off), then the log's tail."""
+    marks = ("terminate called", "what():", "Fatal Python error", "Aborted", "Segmentation fault", "Error")
+    crash = [line for line in log.splitlines() if any(m in line for m in marks)]
+    return "\n".join(crash[-20:]) + "\n...\n" + log[-tail:]
+
+
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
     rc = proc.wait(timeout=timeout)
     proc.log_file.close()

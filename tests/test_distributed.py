@@ -24,7 +24,7 @@ import json
 
 import pytest
 import torch
-from lf_runs import assert_close_runs, finish, start_train, torchrun_env
+from lf_runs import assert_close_runs, failure_text, finish, start_train, torchrun_env
 
 from kt_ft.distributed import Topology, threads_per_rank
 from kt_ft.moe.shared_weights import ALIGN, layout
@@ -64,7 +64,7 @@ def runs(demo_assets, tmp_path_factory):
     logs = {}
     for name, proc in wave1.items():
         rc, logs[name] = finish(proc)
-        assert rc == 0, logs[name][-4000:]
+        assert rc == 0, failure_text(logs[name])
     wave2 = {
         "two_to_one": start_train(
             demo_assets,
@@ -83,7 +83,7 @@ def runs(demo_assets, tmp_path_factory):
     }
     for name, proc in wave2.items():
         rc, logs[name] = finish(proc)
-        assert rc == 0, logs[name][-4000:]
+        assert rc == 0, failure_text(logs[name])
     return root, logs
 
 
@@ -165,5 +165,5 @@ def test_two_gpus_match_one(demo_assets, tmp_path):
     }
     for proc in runs.values():
         rc, log = finish(proc)
-        assert rc == 0, log[-4000:]
+        assert rc == 0, failure_text(log)
     assert_close_runs(tmp_path / "two", tmp_path / "one", [1, 2, 3, 4], loss_rtol=1e-4)

@@ -27,7 +27,7 @@ import os
 
 import pytest
 import torch
-from lf_runs import RECIPE, REPO, assert_close_runs, finish, start_train, torchrun_env
+from lf_runs import RECIPE, REPO, assert_close_runs, failure_text, finish, start_train, torchrun_env
 
 from kt_ft.errors import KTConfigError
 
@@ -188,7 +188,7 @@ def runs(demo_assets, tmp_path_factory):
     }
     for name, proc in wave1.items():
         rc, logs[name] = finish(proc)
-        assert rc == 0, logs[name][-4000:]
+        assert rc == 0, failure_text(logs[name])
     ckpt = root / "fsdp2" / "checkpoint-2"
     wave2 = {
         "fsdp2_resume": start_train(
@@ -207,7 +207,7 @@ def runs(demo_assets, tmp_path_factory):
     }
     for name, proc in wave2.items():
         rc, logs[name] = finish(proc)
-        assert rc == 0, logs[name][-4000:]
+        assert rc == 0, failure_text(logs[name])
     return root, logs
 
 
