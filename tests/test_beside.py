@@ -102,7 +102,10 @@ def test_overlap_trains_like_the_blocks_own_order(family, gc, monkeypatch):
             if "shared_expert" in n and "lora_" in n:
                 shared_lora += 1
                 assert not torch.equal(p, init[n]), f"{n} did not train"
-    assert shared_lora > 0
+    # PEFT >= 0.21 drops gate/up/down_proj targets of some MoE families (README "Known traps"):
+    # then the shared experts have no LoRA, and the branch still gets its input's gradient
+    if "down_proj" in model.peft_config["default"].target_modules:
+        assert shared_lora > 0
     # every forward of a MoE block (first pass and reentrant recompute) started the shared
     # branch beside its CPU op and the block took it: nothing computed twice
     calls = 3 * (2 if gc else 1)
