@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..log import fmt_bytes
+from ..models import unwrap_peft
 from ..placement.cost import STREAM_BUFFERS
 from .plan import PlacementPlan
 
@@ -144,9 +145,11 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
     expert_numel: dict[str, int] = {}
     for pname, p in model.named_parameters():
         owner = pname.rpartition(".")[0]
-        e = experts.get(owner)
+        # the experts module itself, or (PEFT >= 0.21 wraps it in ParamWrapper layers) a module inside
+        e = experts.get(owner) or next((experts[n] for n in experts if owner.startswith(f"{n}.")), None)
         if e is not None:
-            expert_numel[owner] = expert_numel.get(owner, 0) + p.numel()
+            if "lora_" not in pname:  # PEFT's own expert LoRA is dropped: kt-ft trains its own
+                expert_numel[e.name] = expert_numel.get(e.name, 0) + p.numel()
             continue
         d = _device(plan.module_devices.get(owner, plan.module_devices.get("", "cuda")))
         layer = _layer(owner)
@@ -286,7 +289,7 @@ def format_report(report: dict, model_dir: str) -> str:
 
 def _expert_dims(model, placement) -> tuple[int, int, int]:
     """(E, H, I) of a placed routed-experts module, in the family's layout (gpt_oss: [E, H, 2I])."""
-    gate_up = model.get_submodule(placement.name).gate_up_proj
+    gate_up = unwrap_peft(model.get_submodule(placement.name)).gate_up_proj
     if placement.spec is not None and placement.spec.transposed:
         num, hidden, two_i = gate_up.shape
     else:
