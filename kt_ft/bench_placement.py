@@ -62,13 +62,14 @@ class Placement:
         import torch
 
         from .kernels import select_backend
+        from .models import unwrap_peft
         from .placement.auto import layer_shape, predict_plan
         from .placement.measure import device_rates_on_cpu, machine_rates
         from .placement.runtime import auto_at_start
         from .rules.report import TrainSizes
 
         first = plan.experts[0]
-        dtype = model.get_submodule(first.name).gate_up_proj.dtype
+        dtype = unwrap_peft(model.get_submodule(first.name)).gate_up_proj.dtype
         shape = layer_shape(model, first, dtype)
         cuda = torch.cuda.is_available()
         name = select_backend(self.backend, dtype, first.spec)[0].name

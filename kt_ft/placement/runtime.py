@@ -68,9 +68,10 @@ def auto_at_start(
     if not autos:
         return None
     from ..kernels import select_backend
+    from ..models import unwrap_peft
 
     first = autos[0]
-    dtype = model.get_submodule(first.name).gate_up_proj.dtype
+    dtype = unwrap_peft(model.get_submodule(first.name)).gate_up_proj.dtype
     shape = layer_shape(model, first, dtype)
     device = plan.default_device
     cuda = device.type == "cuda"
