@@ -21,13 +21,11 @@ exercises the resident path). ``--plot FILE.png`` draws tokens/s against the cap
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from .bench_step import LORA_ALPHA, LORA_RANK, MODEL_CONFIGS, StepRecord, build_model_dir  # noqa: F401
+from .bench_step import LORA_ALPHA, LORA_RANK, MODEL_CONFIGS, StepRecord, build_model_dir, run_one  # noqa: F401
 
 DEFAULT_CAPS = (8.0, 16.0, 24.0, 40.0, 80.0)
 PLACEMENTS = ("cpu", "auto", "stream")
@@ -148,16 +146,9 @@ def run_placement(
             label = (
                 f"{system}[{placement}] cap {cap:g} GiB" if cap is not None else f"{system} {placement or ''}"
             )
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                print(f"{label}: timed out after {timeout_s} s")
+            rec = run_one(cmd, out, label, timeout_s)
+            if rec is None:
                 continue
-            if proc.returncode != 0 or not out.exists():
-                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
-                print(f"{label}: failed (exit {proc.returncode}):\n{tail}")
-                continue
-            rec = StepRecord(**json.loads(out.read_text()))
             rec.kind = "placement"
             records.append(rec)
     print_placement_table(records)

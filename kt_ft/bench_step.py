@@ -396,18 +396,26 @@ def _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeo
             cmd = [sys.executable, "-m", "kt_ft.bench_step", "--system", system, "--backend", backend or "auto",
                    "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
                    "--steps", str(steps), "--gpu-cap-gib", f"{gpu_cap_gib:g}", "--out", str(out)]  # fmt: skip
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                print(f"{system} {backend}: timed out after {timeout_s} s")
-                continue
-            if proc.returncode != 0 or not out.exists():
-                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
-                print(f"{system} {backend}: failed (exit {proc.returncode}):\n{tail}")
-                continue
-            records.append(StepRecord(**json.loads(out.read_text())))
+            rec = run_one(cmd, out, f"{system} {backend}", timeout_s)
+            if rec is not None:
+                records.append(rec)
     print_step_table(records, share)
     return records
+
+
+def run_one(cmd: list[str], out: Path, label: str, timeout_s: float) -> StepRecord | None:
+    """One system's run (``cmd``, a ``kt_ft.bench_step`` subprocess writing ``out``); a timeout
+    or failure is printed with the run's last lines and gives None."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"{label}: timed out after {timeout_s} s")
+        return None
+    if proc.returncode != 0 or not out.exists():
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+        print(f"{label}: failed (exit {proc.returncode}):\n{tail}")
+        return None
+    return StepRecord(**json.loads(out.read_text()))
 
 
 def print_step_table(records: list[StepRecord], share: float | None = None) -> None:
