@@ -189,6 +189,14 @@ class _Reader:
             return "cpu"
         return dev
 
+    def choice(self, node: yaml.Node, path: str, choices: tuple[str, ...], default: Any) -> Any:
+        """The node's value if it is one of ``choices``, else a problem listing them (``default``)."""
+        got = self.value(node)
+        if got not in choices:
+            self.problem(node, path, f"{got!r}; valid choices: {', '.join(choices)}")
+            return default
+        return got
+
     def parsed(self, node: yaml.Node, path: str, parse) -> Any:
         """``parse(value)``; a ValueError becomes a problem at the node (result None)."""
         try:
@@ -247,13 +255,7 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
         if "device" in a:
             device_at = f"{r.at(a['device'])}: {path_i}.{akey}.device"
         if "backend" in a:
-            backend = r.value(a["backend"])
-            if backend not in KT_BACKENDS:
-                r.problem(
-                    a["backend"],
-                    f"{path_i}.{akey}.backend",
-                    f"{backend!r}; valid choices: {', '.join(KT_BACKENDS)}",
-                )
+            backend = r.choice(a["backend"], f"{path_i}.{akey}.backend", KT_BACKENDS, None)
         if "threads" in a:
             threads = r.value(a["threads"])
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -266,15 +268,8 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
         if "stream" in a:
             stream = r.parsed(a["stream"], f"{path_i}.{akey}.stream", parse_stream)
         if "placement" in a:
-            placement = r.value(a["placement"])
-            if placement not in PLACEMENTS:
-                r.problem(
-                    a["placement"],
-                    f"{path_i}.{akey}.placement",
-                    f"{placement!r}; valid choices: {', '.join(PLACEMENTS)}",
-                )
-                placement = "manual"
-            elif placement == "auto":
+            placement = r.choice(a["placement"], f"{path_i}.{akey}.placement", PLACEMENTS, "manual")
+            if placement == "auto":
                 written = [k for k in ("gpu_experts", "stream") if k in a]
                 for k in written:
                     r.problem(
