@@ -20,12 +20,12 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from test_parity import ATTN
+from test_resident import batches, call_spy, kt_layers, train
 from tiny_models import tiny_model
 from transformers import CONFIG_MAPPING
 
 import kt_ft.moe.beside as beside_mod
 from kt_ft.models import FAMILIES
-from kt_ft.moe.experts import KTExperts
 from kt_ft.moe.patch import replace_routed_experts
 from kt_ft.rules import load_rules, make_plan, resolve_rule_path
 
@@ -56,32 +56,6 @@ def build(family: str, overlap: bool, monkeypatch, seed: int = 0, rule=None):
     return model
 
 
-def kt_layers(model) -> list[KTExperts]:
-    return [m for m in model.modules() if isinstance(m, KTExperts)]
-
-
-def batches():
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(1, 97, (2, 12), generator=gen) for _ in range(3)]
-
-
-def train(model, steps: int, gc: bool, device: str = "cpu") -> list[float]:
-    if gc:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-        model.enable_input_require_grads()
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for step in range(steps):
-        ids = batches()[step % 3].to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("gc", [False, True])
 @pytest.mark.parametrize("family", SHARED_FAMILIES)
 def test_overlap_trains_like_the_blocks_own_order(family, gc, monkeypatch):
@@ -91,8 +65,8 @@ def test_overlap_trains_like_the_blocks_own_order(family, gc, monkeypatch):
     layers = kt_layers(model)
     assert layers and all(m.beside is not None for m in layers)
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    ref = train(plain, 3, gc)
-    got = train(model, 3, gc)
+    ref = train(plain, batches(), 3, gc)
+    got = train(model, batches(), 3, gc)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-6, atol=0)
     want = dict(plain.named_parameters())
     shared_lora = 0
@@ -121,7 +95,7 @@ def test_overlap_with_every_expert_on_the_device(monkeypatch, tmp_path):
     )
     plain = build("deepseek_v2", False, monkeypatch, rule=rule)
     model = build("deepseek_v2", True, monkeypatch, rule=rule)
-    ref, got = train(plain, 3, gc=True), train(model, 3, gc=True)
+    ref, got = train(plain, batches(), 3, gc=True), train(model, batches(), 3, gc=True)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-6, atol=0)
     layers = kt_layers(model)
     assert all(m.runner.forward_calls == 0 for m in layers)
@@ -158,16 +132,7 @@ def test_shared_work_is_queued_before_the_cpu_op_blocks(family, monkeypatch):
     before that layer's CPU op backward."""
     model = build(family, True, monkeypatch)
     calls = []
-
-    def spy(obj, name, tag):
-        orig = getattr(obj, name)
-
-        def wrapped(*a, **k):
-            calls.append(tag)
-            return orig(*a, **k)
-
-        monkeypatch.setattr(obj, name, wrapped)
-
+    spy = call_spy(monkeypatch, calls)
     for i, layer in enumerate(kt_layers(model)):
         spy(layer.runner, "prefetch", f"prefetch inputs {i}")
         spy(layer.beside, "start", f"queue shared {i}")
@@ -220,7 +185,7 @@ def test_overlap_on_cuda_trains_like_the_blocks_own_order(family, monkeypatch):
     for overlap in (False, True):
         model = build(family, overlap, monkeypatch).to("cuda")
         hits = STAGING.prefetch_hits
-        losses.append(train(model, 3, gc=True, device="cuda"))
+        losses.append(train(model, batches(), 3, gc=True, device="cuda"))
         if overlap:
             assert STAGING.prefetch_hits - hits >= 3 * len(kt_layers(model)) * 2  # inputs + grad, per step
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)

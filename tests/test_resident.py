@@ -94,6 +94,21 @@ def _first_grads(model, gc) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def call_spy(monkeypatch, calls: list[str]):
+    """``spy(obj, name, tag)``: from now on each call of ``obj.name`` appends ``tag`` to ``calls``."""
+
+    def spy(obj, name, tag):
+        orig = getattr(obj, name)
+
+        def wrapped(*a, **k):
+            calls.append(tag)
+            return orig(*a, **k)
+
+        monkeypatch.setattr(obj, name, wrapped)
+
+    return spy
+
+
 def kt_layers(model) -> list[KTExperts]:
     return [m for m in model.modules() if isinstance(m, KTExperts)]
 
@@ -167,16 +182,7 @@ def test_device_work_is_queued_before_the_cpu_op_blocks(gpu_rule, monkeypatch):
     model = build(gpu_rule)
     layer = kt_layers(model)[1]
     calls = []
-
-    def spy(obj, name, tag):
-        orig = getattr(obj, name)
-
-        def wrapped(*a, **k):
-            calls.append(tag)
-            return orig(*a, **k)
-
-        monkeypatch.setattr(obj, name, wrapped)
-
+    spy = call_spy(monkeypatch, calls)
     spy(layer.runner, "prefetch", "prefetch inputs")
     spy(layer.device_experts, "start", "queue resident")
     spy(layer.runner, "forward", "cpu forward")
