@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_resident import ALPHA, RANK, batches, build, kt_layers, train
+from test_resident import ALPHA, RANK, _train_keep, batches, build, kt_layers, train
 
 from kt_ft.placement.cost import Rates
 from kt_ft.placement.runtime import Replanner, auto_at_start, tv_distance
@@ -80,23 +80,15 @@ def test_routing_counts_and_replan_keep_training_exact(tmp_path):
     rp = Replanner(ctx, every=2, threshold=0.1)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for step in range(4):
-        if step == 2:
-            counts = rp.take_counts()
-            # 2 steps x 24 tokens x top-2, counted by the first pass and the recompute: 192 a layer
-            assert sorted(counts) == [0, 1] and all(sum(c) == 2 * 24 * 2 * 2 for c in counts.values())
-            # layer 1 now routes mostly to experts 6 and 4: they become the resident ones
-            assert rp.replan({0: [1.0] * 8, 1: [0, 0, 0, 0, 50, 0, 90, 1]})
-            assert [kt.resident.ids if kt.resident else () for kt in kt_layers(model)] == [(0,), (4, 6)]
-        ids = data[step % len(data)]
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    opt_state: dict = {}
+    losses = _train_keep(model, data, 0, 2, opt_state)
+    counts = rp.take_counts()
+    # 2 steps x 24 tokens x top-2, counted by the first pass and the recompute: 192 a layer
+    assert sorted(counts) == [0, 1] and all(sum(c) == 2 * 24 * 2 * 2 for c in counts.values())
+    # layer 1 now routes mostly to experts 6 and 4: they become the resident ones
+    assert rp.replan({0: [1.0] * 8, 1: [0, 0, 0, 0, 50, 0, 90, 1]})
+    assert [kt.resident.ids if kt.resident else () for kt in kt_layers(model)] == [(0,), (4, 6)]
+    losses += _train_keep(model, data, 2, 4, opt_state)
     assert losses == pytest.approx(ref, rel=1e-5)
 
 

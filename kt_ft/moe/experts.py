@@ -142,7 +142,8 @@ class KTExperts(nn.Module):
     def set_resident(self, ids, device: torch.device | None = None) -> None:
         """Make experts ``ids`` the resident ones (streamed ones among them stop streaming)."""
         streamed = self.streamed.ids if self.streamed is not None else ()
-        self.set_placement(ids, [e for e in streamed if e not in set(ids)], device)
+        resident = set(ids)
+        self.set_placement(ids, [e for e in streamed if e not in resident], device)
 
     def lora_tensors(self) -> LoraTensors:
         return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
