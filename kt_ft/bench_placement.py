@@ -73,7 +73,7 @@ class Placement:
         name = select_backend(self.backend, dtype, first.spec)[0].name
         rates = machine_rates(shape, name, self.threads, seq, LORA_RANK, cuda=cuda)
         if not cuda:
-            rates = device_rates_on_cpu(rates, shape, seq)
+            rates = device_rates_on_cpu(rates, shape, seq, LORA_RANK)
         sizes = TrainSizes(seq, 1, LORA_RANK)
         if self.kind == "auto":
             _, choice = auto_at_start(model, plan, sizes, rates=rates, expert_budget_bytes=self.budget)

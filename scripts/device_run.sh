@@ -22,7 +22,7 @@ THREADS=${THREADS:-$(nproc)}
 } 2>&1 | tee "$OUT/env.txt"
 PARTS=${PARTS:-tests,op,step}  # also: overlap, placement
 [[ $PARTS == *tests* ]] && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py \
+  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_grouped_device.py \
   tests/test_loading.py tests/test_load_memory.py \
   2>&1 | tee "$OUT/pytest.log"
 [[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --parts op \

@@ -112,3 +112,27 @@ def test_replanner_is_idle_without_gpu_rates(tmp_path):
     rp = Replanner(ctx, every=1, threshold=0.01)
     assert not any(m.count_routing for m in kt_layers(model))
     assert not rp.step(1)
+
+
+@pytest.mark.parametrize(
+    ("stream", "want"),
+    [("all", (2, 3, 4, 5, 6, 7)), ("3", (2, 3, 4)), ("[5, 7]", (5, 7))],
+)
+def test_prediction_sees_the_streamed_experts_the_run_streams(tmp_path, stream, want):
+    """``predict_plan`` (the bench's predicted step, ``kt-ft rules plan``) takes the same streamed ids
+    as the run (``moe/patch.py``): ``stream: all`` is every non-resident expert (it once counted none,
+    predicting the all-CPU step)."""
+    from tiny_models import tiny_model
+
+    from kt_ft.models import FAMILIES
+    from kt_ft.placement.auto import current_splits
+
+    rule = tmp_path / "r.yaml"
+    rule.write_text(
+        "- match: {class: Qwen3MoeExperts}\n"
+        f"  replace: {{device: cpu, backend: torch, gpu_experts: 2, stream: {stream}}}\n"
+    )
+    model = tiny_model()
+    plan = make_plan(model, load_rules(rule), FAMILIES["qwen3_moe"], "torch", 2)
+    splits = current_splits(model, plan)
+    assert [(s.resident, s.streamed) for s in splits] == [((0, 1), want)] * len(plan.experts)

@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..kernels.activation import gated_act
 from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype
+from ..kernels.grouped_device import Groups, grouped_expert_forward
 from .function import prefetch_grad_out
 from .resident import ResidentExperts
 from .streamed import StreamedExperts
@@ -98,7 +98,7 @@ class DeviceExperts:
         before them): the GPU computes while the CPU does, both ways. One host sync (the
         per-expert pair counts) comes before any product is queued.
         """
-        counts, order = self._route(local)
+        counts, counts_dev, order = self._route(local)
         if sum(counts[1:]) == 0:
             zeros = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(self.dtype), device=x.device)
             self._done()
@@ -109,7 +109,7 @@ class DeviceExperts:
         inputs = (x, weights, *lo)
         k = local.shape[1]
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
-            out = self._compute(x, weights, LoraTensors(*lo), scaling, counts, order, k)
+            out = self._compute(x, weights, LoraTensors(*lo), scaling, counts, counts_dev, order, k)
             self._done()
             return lambda: out
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
@@ -117,7 +117,9 @@ class DeviceExperts:
         # backward takes them from the device buffer again (``streamed.py``: reused or re-copied)
         hooks = self.streamed.saved_tensor_hooks() if self.streamed is not None else contextlib.nullcontext()
         with torch.enable_grad(), hooks:
-            out = self._compute(leaves[0], leaves[1], LoraTensors(*leaves[2:]), scaling, counts, order, k)
+            out = self._compute(
+                leaves[0], leaves[1], LoraTensors(*leaves[2:]), scaling, counts, counts_dev, order, k
+            )
         self._done()
         return lambda: _DeviceShare.apply((out, leaves, self), *inputs)
 
@@ -125,46 +127,47 @@ class DeviceExperts:
         if self.streamed is not None:
             self.streamed.done()
 
-    def _route(self, local: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        """(counts: [pairs computed elsewhere, pairs of device expert 0, 1, ...], order [T*k]: flat
-        pair indices sorted by device index, the others (-1) first)."""
+    def _route(self, local: torch.Tensor) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """(counts: [pairs computed elsewhere, pairs of device expert 0, 1, ...] on the host, the
+        same on the device, order [T*k]: flat pair indices sorted by device index, the others
+        (-1) first)."""
         flat = local.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat + 1, minlength=len(self.ids) + 1).tolist()  # the one host sync
-        return counts, order
+        counts_dev = torch.bincount(flat + 1, minlength=len(self.ids) + 1)
+        return counts_dev.tolist(), counts_dev, order  # tolist: the one host sync
 
-    def _compute(self, x, weights, lo: LoraTensors, scaling: float, counts: list[int], order, k: int):
-        """The formula of the module doc for every device expert with pairs -> [T, H] accum dtype."""
+    def _groups(self) -> list[tuple[Callable[[], ExpertWeights], int, int]]:
+        """(weights getter, first local index, end) for the resident, then the streamed experts."""
+        r, n = self.num_resident, len(self.ids)
+        groups = []
+        if r:
+            groups.append((lambda: self.resident.weights, 0, r))
+        if n > r:
+            groups.append((self.streamed.weights, r, n))
+        return groups
+
+    def _compute(self, x, weights, lo: LoraTensors, scaling: float, counts, counts_dev, order, k: int):
+        """The formula of the module doc for every device expert with pairs -> [T, H] accum dtype:
+        one grouped product per projection for the resident experts and one for the streamed ones
+        (``grouped_linear``), whatever their number."""
         dt = self.dtype
         out = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(dt), device=x.device)
         lo = LoraTensors(*(t.to(dt) for t in lo))
         w_flat = weights.reshape(-1)
         xd = x.to(dt)
         off = counts[0]
-        streamed: ExpertWeights | None = None
-        for j in range(len(self.ids)):
-            c = counts[j + 1]
-            if c == 0:
-                continue
-            pairs = order[off : off + c]
-            off += c
-            if j < self.num_resident:
-                src, i = self.resident.weights, j
-            else:
-                if streamed is None:  # waits (on the device) for the copy only here, after the host sync
-                    streamed = self.streamed.weights()
-                src, i = streamed, j - self.num_resident
+        for get, j0, j1 in self._groups():
+            n = sum(counts[1 + j0 : 1 + j1])
+            if n == 0:
+                continue  # e.g. no pair for any streamed expert: their copy is not waited for
+            src = get()  # streamed: the current stream waits (on the device) for their copy here
+            pairs = order[off : off + n]
+            off += n
             tok = torch.div(pairs, k, rounding_mode="floor")
-            xe = xd.index_select(0, tok)
-            wg, wu, wd, bg, bu, bd = src.expert(i)
-            g = xe @ wg.T + scaling * (xe @ lo.gate_a[j].T) @ lo.gate_b[j].T
-            u = xe @ wu.T + scaling * (xe @ lo.up_a[j].T) @ lo.up_b[j].T
-            if bg is not None:
-                g, u = g + bg, u + bu
-            h = gated_act(g, u, src.spec)
-            d = h @ wd.T + scaling * (h @ lo.down_a[j].T) @ lo.down_b[j].T
-            if bd is not None:
-                d = d + bd
+            group = Groups(counts[1 + j0 : 1 + j1], counts_dev[1 + j0 : 1 + j1])
+            d = grouped_expert_forward(
+                xd.index_select(0, tok), src, LoraTensors(*(t[j0:j1] for t in lo)), scaling, group
+            )
             w = w_flat.index_select(0, pairs).to(out.dtype)
             out = out.index_add(0, tok, d.to(out.dtype) * w[:, None])
         return out

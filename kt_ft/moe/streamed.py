@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import weakref
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -433,7 +434,7 @@ def _register(layer: StreamedExperts) -> tuple[bool, str]:
                 False,
                 f"a fused expert tensor is {'not on the CPU' if t.device.type != 'cpu' else 'not contiguous'}",
             )
-        if region.is_pinned():
+        if is_page_locked(region):
             continue  # already page-locked (e.g. allocated pinned)
         ranges.append((region.data_ptr(), region.numel() * region.element_size()))
     try:
@@ -468,13 +469,38 @@ def _unregister(ptrs: list[int], keep_alive: Any = None) -> None:
     ptrs.clear()
 
 
+@functools.cache
+def _cudart_lib() -> ctypes.CDLL | None:
+    """The CUDA runtime torch loaded (found by soname among the loaded libraries), or None."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def is_page_locked(t: torch.Tensor) -> bool:
+    """Whether ``t``'s first byte is page-locked host memory (allocated pinned or
+    ``cudaHostRegister``-ed): ``cudaHostGetFlags`` succeeds only there. ``Tensor.is_pinned`` is not
+    enough: some torch builds answer only for their own pinned allocator."""
+    if t.is_pinned():
+        return True
+    lib = _cudart_lib()
+    if lib is None or not torch.cuda.is_available():
+        return False
+    flags = ctypes.c_uint()
+    if lib.cudaHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(t.data_ptr())) != 0:
+        lib.cudaGetLastError()  # reset the error it leaves behind (see _clear_cuda_error)
+        return False
+    return True
+
+
 def _clear_cuda_error() -> None:
     """A failed runtime call leaves CUDA's per-thread 'last error' set, which torch's next kernel
     launch check would raise as its own: read it once (cudaGetLastError resets it)."""
-    for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
-        try:
-            ctypes.CDLL(name).cudaGetLastError()
-            return
-        except (OSError, AttributeError):
-            continue
+    lib = _cudart_lib()
+    if lib is not None:
+        lib.cudaGetLastError()
+        return
     logger.warning("could not reset CUDA's last error after a failed cudaHostRegister (libcudart not found)")

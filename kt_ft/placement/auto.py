@@ -75,14 +75,12 @@ def current_splits(
         pop = (popularity or {}).get(e.layer)
         res = _resident_ids(e, num, pop)
         st: tuple[int, ...] = ()
-        if e.stream_experts is not None:
-            if e.stream_experts.ids is not None:
-                st = tuple(sorted(e.stream_experts.ids))
-            else:
-                rest = [i for i in range(num) if i not in res]
-                if pop is not None:
-                    rest.sort(key=lambda i: (-float(pop[i]), i))
-                st = tuple(sorted(rest[: e.stream_experts.count or 0]))
+        if e.stream_experts is not None:  # ids, a count, or ``all`` (both None): the run's own pick
+            from ..moe.resident import pick_stream_ids
+
+            se = e.stream_experts
+            pop_t = None if pop is None else torch.tensor(list(pop), dtype=torch.float64)
+            st = pick_stream_ids(num, res, se.ids, se.count, pop_t)
         out.append(LayerSplit(res, st))
     return out
 

@@ -179,34 +179,48 @@ def measure_gpu_flops(n: int = 8192, device: str = "cuda") -> float:
     return 5 * 2 * n**3 / _best(run, 3, _sync(device))
 
 
-def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda") -> float:
-    """Forward of 16 experts one after another at the layer's rows per expert (products and
-    launches as the resident experts run them), counted as 6·H·I FLOPs a row."""
+def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda", rank: int = 8) -> float:
+    """The device experts' rate as the run computes them (``kernels/grouped_device.py``: grouped
+    products, LoRA, autograd): forward + backward of up to 64 experts at the layer's rows per
+    expert, counted with ``pair_flops`` (the cost model adds the recompute's forward at this rate)."""
     import torch
 
-    e, h, i = min(16, shape.num_experts), shape.hidden, shape.inter
+    from ..kernels.base import ExpertWeights, LoraTensors
+    from ..kernels.grouped_device import Groups, grouped_expert_forward
+
+    e, h, i = min(64, shape.num_experts), shape.hidden, shape.inter
     m = rows_per_expert(shape, tokens)
     dev, bf = device, torch.bfloat16
-    gate_up = torch.randn(e, 2 * i, h, device=dev, dtype=bf) * h**-0.5
-    down = torch.randn(e, h, i, device=dev, dtype=bf) * i**-0.5
-    x = torch.randn(m, h, device=dev, dtype=bf)
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*size, scale=1.0, grad=False):
+        return (torch.randn(*size, generator=gen, device=dev, dtype=bf) * scale).requires_grad_(grad)
+
+    base = ExpertWeights(rnd(e, 2 * i, h, scale=h**-0.5), rnd(e, h, i, scale=i**-0.5))
+    lora = LoraTensors(
+        *(
+            rnd(e, *sz, scale=0.01, grad=True)
+            for sz in ((rank, h), (i, rank), (rank, h), (i, rank), (rank, i), (h, rank))
+        )
+    )
+    x = rnd(e * m, h, grad=True)
+    grad = rnd(e * m, h)
+    groups = Groups([m] * e, torch.full((e,), m, device=dev))
 
     def run():
-        for j in range(e):
-            g = x @ gate_up[j].T
-            (torch.nn.functional.silu(g[:, :i]) * g[:, i:]) @ down[j].T
+        grouped_expert_forward(x, base, lora, 2.0, groups).backward(grad)
 
-    return e * 6 * h * i * m / _best(run, 3, _sync(device))
+    return e * m * shape.pair_flops(rank) / _best(run, 3, _sync(device))
 
 
-def device_rates_on_cpu(rates: Rates, shape: LayerShape, tokens: int) -> Rates:
+def device_rates_on_cpu(rates: Rates, shape: LayerShape, tokens: int, rank: int = 8) -> Rates:
     """``rates`` with the link and GPU figures measured on the CPU device (not cached): the bench's
     CPU-only smoke run, where resident experts live on the CPU device, plans with them."""
     return Rates(
         rates.cpu_flops,
         measure_link_bytes_s(64 * 2**20, "cpu"),
         measure_gpu_flops(512, "cpu"),
-        measure_gpu_expert_flops(shape, tokens, "cpu"),
+        measure_gpu_expert_flops(shape, tokens, "cpu", rank),
         {
             **rates.source,
             "link_bytes_s": "CPU device",
@@ -281,12 +295,12 @@ def machine_rates(
     if cuda:
         link = figure("link_bytes_s", None, "link_gbps" in overrides, measure_link_bytes_s)
         gpu = figure("gpu_flops", None, "gpu_tflops" in overrides, measure_gpu_flops)
-        e_key = f"H {shape.hidden} I {shape.inter} | {rows} rows"
+        e_key = f"grouped fwd+bwd | H {shape.hidden} I {shape.inter} r {rank} | {rows} rows"
         gpu_e = figure(
             "gpu_expert_flops",
             e_key,
             "gpu_expert_tflops" in overrides,
-            lambda: measure_gpu_expert_flops(shape, tokens),
+            lambda: measure_gpu_expert_flops(shape, tokens, rank=rank),
         )
     if changed:
         _save_cache(data)

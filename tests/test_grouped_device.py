@@ -1,0 +1,86 @@
+"""Grouped device-expert products (kt_ft/kernels/grouped_device.py) against a plain per-expert
+loop written from the formula (``ExpertWeights.expert`` views, ``gated_act``), on fresh random
+inputs with experts of zero rows: the output and the gradients of x and of the six LoRA slices.
+
+Tolerances, relative to each tensor's largest entry: float32 1e-5 (summation order only);
+bfloat16 3e-2 (products rounded to bf16 at different points; ~4 bf16 ulps). Runs on the CPU
+here and on CUDA too where there is one (the GPU machine), where bf16 must take
+``torch._grouped_mm`` (not the loop).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moe_inputs import GPT_OSS_SPEC, make_problem
+
+from kt_ft.kernels import LoraTensors
+from kt_ft.kernels import grouped_device as gd
+from kt_ft.kernels.activation import gated_act
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def per_expert_loop(x, base, lora, s, counts):
+    out, off = [], 0
+    for e, c in enumerate(counts):
+        xe = x[off : off + c]
+        off += c
+        wg, wu, wd, bg, bu, bd = base.expert(e)
+        g = xe @ wg.T + s * (xe @ lora.gate_a[e].T) @ lora.gate_b[e].T
+        u = xe @ wu.T + s * (xe @ lora.up_a[e].T) @ lora.up_b[e].T
+        if bg is not None:
+            g, u = g + bg, u + bu
+        d = gated_act(g, u, base.spec) @ wd.T
+        d = d + s * (gated_act(g, u, base.spec) @ lora.down_a[e].T) @ lora.down_b[e].T
+        out.append(d if bd is None else d + bd)
+    return torch.cat(out)
+
+
+def run(fn, x, lora, grad):
+    x = x.detach().clone().requires_grad_()
+    lo = LoraTensors(*(t.detach().clone().requires_grad_() for t in lora))
+    out = fn(x, lo)
+    out.backward(grad)
+    return [out.detach(), x.grad, *(t.grad for t in lo)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["plain", "gpt_oss"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
+def test_grouped_expert_forward_matches_a_per_expert_loop(device, dtype, variant, grouped, monkeypatch):
+    monkeypatch.setenv("KT_FT_GROUPED_DEVICE", "1" if grouped else "0")
+    gen = torch.Generator().manual_seed(7)
+    E, H, I, r = 6, 64, 32, 8
+    spec, bias = (GPT_OSS_SPEC, 0.5) if variant == "gpt_oss" else (None, None)
+    base, lora, *_ = make_problem(4, E, 2, H, I, r, torch.float32, gen, spec=spec, bias_scale=bias)
+    counts = [5, 0, 17, 1, 0, 9]  # empty experts in the middle and at the end of a run
+    n = sum(counts)
+    x = torch.randn(n, H, generator=gen)
+    grad = torch.randn(n, H, generator=gen)
+
+    def to(t):
+        return None if t is None else t.to(device, dtype)
+
+    base = type(base)(
+        *(to(t) for t in (base.gate_up, base.down, base.gate_up_bias, base.down_bias)), spec=base.spec
+    )
+    lora = LoraTensors(*(to(t) for t in lora))
+    x, grad = to(x), to(grad)
+    groups = gd.Groups(counts, torch.tensor(counts, device=device))
+    s = 2.0
+    gd._refused.clear()
+    got = run(lambda xx, lo: gd.grouped_expert_forward(xx, base, lo, s, groups), x, lora, grad)
+    ref = run(lambda xx, lo: per_expert_loop(xx, base, lo, s, counts), x, lora, grad)
+    names = ["out", "x", *LoraTensors._fields]
+    for name, a, b in zip(names, got, ref):
+        scale = b.abs().max().float().clamp_min(1e-30)
+        err = ((a.float() - b.float()).abs().max() / scale).item()
+        assert err <= TOL[dtype], f"{name}: {err:.2e} of its largest entry > {TOL[dtype]:.0e}"
+    # empty experts get zero LoRA gradients
+    for t in got[2:]:
+        assert t[1].abs().max() == 0 and t[4].abs().max() == 0
+    if grouped and (device == "cpu" or dtype == torch.bfloat16) and hasattr(torch, "_grouped_mm"):
+        assert (device, dtype) not in gd._refused, "torch._grouped_mm was expected to run here"
