@@ -12,8 +12,9 @@ of ``--seq`` tokens a step, LoRA r 8, gradient checkpointing, AdamW, best step a
   says which caps it fits).
 
 The caps are for the FULL model: the routed experts' budget is the cap minus ``rules plan``'s
-estimate of everything else for the full model, and a reduced model gets the share of it its
-layer count has (layers / real layers). Each kt-ft record carries the cost model's predicted
+estimate of everything else for the full model, and the planner counts each benchmarked layer's
+resident experts real layers / layers times (the stream buffers and the activation reserve,
+a layer or two whatever the depth, once: ``placement/planner.py`` ``layer_scale``). Each kt-ft record carries the cost model's predicted
 step time beside the measured one (rates: ``placement/measure.py``'s cache or a measurement;
 on a CPU-only machine the "GPU" is the CPU device, its rates measured there, so the smoke run
 exercises the resident path). ``--plot FILE.png`` draws tokens/s against the cap (matplotlib).
@@ -76,7 +77,11 @@ class Placement:
             rates = device_rates_on_cpu(rates, shape, seq, LORA_RANK)
         sizes = TrainSizes(seq, 1, LORA_RANK)
         if self.kind == "auto":
-            _, choice = auto_at_start(model, plan, sizes, rates=rates, expert_budget_bytes=self.budget)
+            real = MODEL_CONFIGS[self.preset][1]["num_hidden_layers"]
+            scale = real / model.config.get_text_config().num_hidden_layers
+            _, choice = auto_at_start(
+                model, plan, sizes, rates=rates, expert_budget_bytes=self.budget, layer_scale=scale
+            )
             self.predicted_s = choice.prediction.step_s
             counts = [s.counts(shape.num_experts) for s in choice.splits]
             split = ", ".join(f"L{e.layer} {r}/{s}/{c}" for e, (r, s, c) in zip(plan.experts, counts))
@@ -85,8 +90,8 @@ class Placement:
         return f"every expert {'streamed' if self.kind == 'stream' else 'on the CPU'}"
 
 
-def expert_budget(preset: str, cap_gib: float, seq: int, layers: int) -> int:
-    """The routed experts' GPU budget under ``cap_gib`` for the full model, scaled to ``layers``."""
+def expert_budget(preset: str, cap_gib: float, seq: int) -> int:
+    """The routed experts' GPU budget under ``cap_gib`` for the full model."""
     import torch
     from transformers import AutoConfig
 
@@ -104,7 +109,7 @@ def expert_budget(preset: str, cap_gib: float, seq: int, layers: int) -> int:
     )
     est = estimate(model, plan, torch.bfloat16, TrainSizes(seq, 1, LORA_RANK))
     rest = est["devices"].get("cuda:0", {}).get("total_bytes", 0)
-    return int((cap_gib * 2**30 - rest) * layers / cfg["num_hidden_layers"])
+    return int(cap_gib * 2**30 - rest)
 
 
 def run_placement(
@@ -141,7 +146,7 @@ def run_placement(
             if placement is not None:
                 cmd += ["--placement", placement]
             if cap is not None:
-                budget = expert_budget(preset, cap, seq, n_layers)
+                budget = expert_budget(preset, cap, seq)
                 cmd += ["--gpu-cap-gib", f"{cap:g}", "--expert-budget", str(budget)]
             label = (
                 f"{system}[{placement}] cap {cap:g} GiB" if cap is not None else f"{system} {placement or ''}"

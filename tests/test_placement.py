@@ -133,3 +133,19 @@ def test_deterministic():
     a = choose_splits(layers(5, [3, 1, 4, 1]), FAST, 0, T, budget_bytes=ACT + 6 * B)
     b = choose_splits(layers(5, [3, 1, 4, 1]), FAST, 0, T, budget_bytes=ACT + 6 * B)
     assert a.splits == b.splits
+
+
+def test_layer_scale_counts_resident_weights_per_real_layer():
+    # 2 benchmarked layers standing for 8 (scale 4), budget of test_slow_link_streams_nothing: the
+    # 8 resident experts that fit are 2 real layers' worth, half of one benchmarked layer (2 experts
+    # x 4); the stream buffers would not scale (test_cpu_bound_machine_streams, scale 1 vs 4: same)
+    slow = Rates(cpu_flops=60_000, link_bytes_s=1_000, gpu_flops=9e10)
+    c = choose_splits(layers(2), slow, 0, T, budget_bytes=ACT + 8 * B, layer_scale=4)
+    assert [s.resident for s in c.splits] == [(0, 1), ()] and not any(s.streamed for s in c.splits)
+    # a fast link: unscaled, both layers fit resident; scaled, streaming both (buffers 8 B, once)
+    # beats 2 resident experts (layer 0: 2 CPU experts, 10 s; layer 1: 20 s) -- 2 x 4 s = 8 s
+    one, four = (
+        choose_splits(layers(2), FAST, 0, T, budget_bytes=ACT + 8 * B, layer_scale=s) for s in (1, 4)
+    )
+    assert one.splits == [LayerSplit((0, 1, 2, 3), ())] * 2
+    assert four.splits == [LayerSplit((), (0, 1, 2, 3))] * 2 and four.prediction.step_s == pytest.approx(8)

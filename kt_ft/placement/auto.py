@@ -117,13 +117,14 @@ def plan_auto(
     popularity: dict[int, Sequence[float]] | None = None,
     allow_stream: bool | None = None,
     expert_budget_bytes: int | None = None,
+    layer_scale: float = 1.0,
 ) -> Choice | None:
     """Choose and write ``gpu_experts`` / ``stream_experts`` (ids) of every ``placement: auto`` layer.
 
     ``cap_bytes``: GPU memory the whole run may take on the training device (None: nothing on the
-    GPU); ``expert_budget_bytes`` instead gives the auto-placed experts' share directly (the bench
-    scales a full model's budget to its reduced layer count). Returns the planner's choice (None:
-    no auto layer)."""
+    GPU); ``expert_budget_bytes`` instead gives the auto-placed experts' share directly (the bench:
+    the full model's share, with ``layer_scale`` = real layers / benchmarked layers, see
+    ``choose_splits``). Returns the planner's choice (None: no auto layer)."""
     autos = auto_layers(plan)
     if not autos:
         return None
@@ -153,6 +154,7 @@ def plan_auto(
         budget,
         allow_stream=stream,
         nonexpert_flops=model_non_expert_flops(model, plan, sizes),
+        layer_scale=layer_scale,
     )
     for e, split in zip(autos, choice.splits, strict=True):
         e.gpu_experts = GpuExpertSpec(None, split.resident, None) if split.resident else None

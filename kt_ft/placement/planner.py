@@ -109,12 +109,16 @@ def choose_splits(
     budget_bytes: int | None,
     allow_stream: bool = True,
     nonexpert_flops: float = 0.0,
+    layer_scale: float = 1.0,
 ) -> Choice:
     """The split per layer minimising the predicted step time.
 
     ``budget_bytes``: GPU memory the routed experts may take (resident weights, stream buffers,
     their activations); None or <= 0: nothing on the GPU. ``allow_stream``: False where streamed
     experts cannot run. Without the link and GPU rates (no CUDA) every expert is on the CPU.
+    ``layer_scale``: real layers each of ``inputs`` stands for (the bench plans a few layers of a
+    model under the full model's budget): resident weights count that many times, the stream
+    buffers and the activation reserve (one or two layers whatever the depth) once.
     """
     notes: list[str] = []
     pops = [i.popularity for i in inputs]
@@ -153,7 +157,7 @@ def choose_splits(
     cum = [0]
     positions: list[list[int]] = [[] for _ in inputs]
     for pos, i in enumerate(order):
-        cum.append(cum[-1] + shapes[i].expert_bytes)
+        cum.append(cum[-1] + round(shapes[i].expert_bytes * layer_scale))
         positions[i].append(pos)
     act = max(tokens * sh.top_k * sh.gpu_pair_bytes() for sh in shapes)  # a whole layer on the GPU
     max_e = max(sh.num_experts for sh in shapes)

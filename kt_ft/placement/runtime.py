@@ -61,6 +61,7 @@ def auto_at_start(
     remeasure: bool = False,
     rates: Rates | None = None,
     expert_budget_bytes: int | None = None,
+    layer_scale: float = 1.0,
 ) -> tuple[AutoContext, Choice] | None:
     """Plan every ``placement: auto`` layer of ``plan`` (None: there is none). ``rates``: injected
     (tests); else measured / cached for this machine."""
@@ -86,7 +87,16 @@ def auto_at_start(
         cap = int(gpu_memory_gib * GIB)
     elif cuda:
         cap = default_cap_bytes(device)
-    choice = plan_auto(model, plan, dtype, sizes, rates, cap, expert_budget_bytes=expert_budget_bytes)
+    choice = plan_auto(
+        model,
+        plan,
+        dtype,
+        sizes,
+        rates,
+        cap,
+        expert_budget_bytes=expert_budget_bytes,
+        layer_scale=layer_scale,
+    )
     section = placement_section(
         model, plan, dtype, sizes, rates, choice, describe(rates, shape, sizes.lora_rank)
     )
