@@ -248,6 +248,28 @@ def offload_device_map(model_dir: str, keep_share: float) -> tuple[dict[str, int
     return device_map, len(names) - keep, len(names)
 
 
+def _profile_step(model, ids, opt, path: Path, cuda: bool) -> None:
+    """``KT_FT_BENCH_PROFILE=DIR``: one training step under torch.profiler, its op table (by self CPU
+    time and by device time) written to ``path``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = table.table(sort_by="self_cpu_time_total", row_limit=40)
+    if cuda:
+        text += "\n" + table.table(sort_by="self_cuda_time_total", row_limit=25)
+    path.write_text(text)
+
+
 def worker(args: argparse.Namespace) -> StepRecord:
     """Load one system, train ``warmup + steps`` steps, report the best step time."""
     import torch
@@ -306,6 +328,9 @@ def worker(args: argparse.Namespace) -> StepRecord:
         busy.append(sum(r.busy_s for r in runners) - busy0)
         losses.append(float(loss))
     best = min(times[args.warmup :])
+    prof_dir = os.environ.get("KT_FT_BENCH_PROFILE")
+    if prof_dir:  # one more step under the profiler: where the time goes (not part of the figures)
+        _profile_step(model, ids, opt, Path(prof_dir) / f"{name}-{args.gpu_cap_gib or 0:g}.txt", cuda)
     if runners:  # how much of the step the CPU experts take: what overlapping could hide is the rest
         i = times.index(best)
         note += f"; CPU expert op {busy[i] * 1e3:.0f} ms of the step ({busy[i] / best:.0%})"

@@ -153,6 +153,9 @@ def test_resident_experts_train_like_all_cpu(gpu_rule, gc):
     # the CPU op still runs once per layer per step (the reentrant recompute takes its stash)
     assert [m.runner.forward_calls for m in layers] == [5, 5]  # 1 (first grads) + 4
     assert [m.runner.stash_hits for m in layers] == [5 if gc else 0] * 2
+    # the device experts' LoRA rows cross once per step, not again for the recompute
+    assert [m.device_experts.lora_copies for m in layers] == [5, 5]
+    assert all(m.device_experts._lora_dev is None for m in layers)  # the backward freed them
     assert got[-1] < got[0]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
     a, b = expert_lora(res_model), expert_lora(cpu_model)

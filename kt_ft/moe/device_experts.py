@@ -24,7 +24,7 @@ reference backend does.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,6 +59,11 @@ class DeviceExperts:
         self._local_cpu = torch.full((self.num_experts,), -1, dtype=torch.long)
         self._local_cpu[self._ids_cpu] = torch.arange(len(self.ids))
         self._local: torch.Tensor | None = None  # _local_cpu on the device
+        self._all = self.ids == tuple(range(self.num_experts))  # every expert, in order: no gather
+        # the LoRA rows on the device, reused by a checkpointed recompute; dropped by the backward
+        self._lora_key: tuple | None = None
+        self._lora_dev: list[torch.Tensor] | None = None
+        self.lora_copies = 0  # host -> device copies of the LoRA rows (a test counts them)
         self.cpu_follows = len(self.ids) < self.num_experts  # False: the CPU op is skipped entirely
 
     def begin(self, device: torch.device) -> None:
@@ -103,9 +108,9 @@ class DeviceExperts:
             zeros = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(self.dtype), device=x.device)
             self._done()
             return lambda: zeros
-        # this layer's LoRA rows of the device experts on the device; autograd copies their
-        # gradients back into the CPU parameters
-        lo = [p.index_select(0, self._ids_cpu).to(x.device) for p in lora]
+        # this layer's LoRA rows of the device experts on the device; their gradients go back
+        # into the CPU parameters (``_LoraToDevice``)
+        lo = _LoraToDevice.apply(self, x.device, *lora)
         inputs = (x, weights, *lo)
         k = local.shape[1]
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
@@ -122,6 +127,22 @@ class DeviceExperts:
             )
         self._done()
         return lambda: _DeviceShare.apply((out, leaves, self), *inputs)
+
+    def lora_on(self, device: torch.device, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The device experts' rows of the six CPU LoRA ``params`` ([E, ...] fp32) on ``device``
+        ([len(ids), ...]): copied at the forward and reused by the recompute of a checkpointed layer
+        while the parameters are unchanged (their version counters and storages: the optimizer
+        updates them in place between steps)."""
+        key = (device, *((p._version, p.data_ptr()) for p in params))
+        if self._lora_dev is None or self._lora_key != key:
+            rows = params if self._all else [p.index_select(0, self._ids_cpu) for p in params]
+            self._lora_dev = [t.detach().to(device, copy=True) for t in rows]
+            self._lora_key = key
+            self.lora_copies += 1
+        return self._lora_dev
+
+    def drop_lora(self) -> None:
+        self._lora_dev = self._lora_key = None
 
     def _done(self) -> None:
         if self.streamed is not None:
@@ -171,6 +192,32 @@ class DeviceExperts:
             w = w_flat.index_select(0, pairs).to(out.dtype)
             out = out.index_add(0, tok, d.to(out.dtype) * w[:, None])
         return out
+
+
+class _LoraToDevice(torch.autograd.Function):
+    """apply(device_experts, device, *six CPU LoRA params) -> the device experts' rows of each on
+    ``device``; backward: their gradients back to the CPU, into the experts' rows of [E, ...]."""
+
+    @staticmethod
+    def forward(ctx, dev, device, *params):
+        ctx.dev = dev
+        ctx.shapes = [p.shape for p in params]
+        return tuple(t.detach() for t in dev.lora_on(device, params))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dev = ctx.dev
+        dev.drop_lora()  # the layer's last use in this step: free the device rows
+        out = []
+        for g, shape in zip(grads, ctx.shapes):
+            if g is None:
+                out.append(None)
+                continue
+            g = g.to("cpu")
+            if not dev._all:
+                g = g.new_zeros(shape).index_copy_(0, dev._ids_cpu, g)
+            out.append(g)
+        return None, None, *out
 
 
 class _DeviceShare(torch.autograd.Function):
