@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -330,7 +331,8 @@ def worker(args: argparse.Namespace) -> StepRecord:
     best = min(times[args.warmup :])
     prof_dir = os.environ.get("KT_FT_BENCH_PROFILE")
     if prof_dir:  # one more step under the profiler: where the time goes (not part of the figures)
-        _profile_step(model, ids, opt, Path(prof_dir) / f"{name}-{args.gpu_cap_gib or 0:g}.txt", cuda)
+        stem = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{name}-{args.gpu_cap_gib or 0:g}")
+        _profile_step(model, ids, opt, Path(prof_dir) / f"{stem}.txt", cuda)
     if runners:  # how much of the step the CPU experts take: what overlapping could hide is the rest
         i = times.index(best)
         note += f"; CPU expert op {busy[i] * 1e3:.0f} ms of the step ({busy[i] / best:.0%})"
@@ -440,7 +442,16 @@ def run_one(cmd: list[str], out: Path, label: str, timeout_s: float) -> StepReco
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
         print(f"{label}: failed (exit {proc.returncode}):\n{tail}")
         return None
-    return StepRecord(**json.loads(out.read_text()))
+    rec = StepRecord(**json.loads(out.read_text()))
+    # each run's figures as soon as it ends: a bench killed later (a time limit) keeps them
+    from tqdm import tqdm
+
+    gpu = f"{rec.peak_gpu_bytes / 2**30:.2f} GiB" if rec.peak_gpu_bytes is not None else "-"
+    pred = f", predicted {rec.predicted_s * 1e3:.1f} ms" if rec.predicted_s is not None else ""
+    tqdm.write(
+        f"{label}: {rec.seconds * 1e3:.1f} ms ({rec.tok_s:,.0f} tok/s{pred}), peak GPU {gpu}; {rec.note}"
+    )
+    return rec
 
 
 def print_step_table(records: list[StepRecord], share: float | None = None) -> None:
