@@ -69,7 +69,7 @@ def test_grouped_expert_forward_matches_a_per_expert_loop(device, dtype, variant
     )
     lora = LoraTensors(*(to(t) for t in lora))
     x, grad = to(x), to(grad)
-    groups = gd.Groups(counts, torch.tensor(counts, device=device))
+    groups = gd.Groups(torch.tensor(counts, device=device), sum(counts), counts if device == "cpu" else None)
     s = 2.0
     gd._refused.clear()
     got = run(lambda xx, lo: gd.grouped_expert_forward(xx, base, lo, s, groups), x, lora, grad)
@@ -84,3 +84,27 @@ def test_grouped_expert_forward_matches_a_per_expert_loop(device, dtype, variant
         assert t[1].abs().max() == 0 and t[4].abs().max() == 0
     if grouped and (device == "cpu" or dtype == torch.bfloat16) and hasattr(torch, "_grouped_mm"):
         assert (device, dtype) not in gd._refused, "torch._grouped_mm was expected to run here"
+
+
+def test_one_placement_holding_every_expert_needs_no_host_counts():
+    """A layer whose experts are all resident (or all streamed) routes without reading the pair
+    counts back from the device (no host sync before its products are queued); a layer split with
+    the CPU reads them once, and its groups carry them."""
+    from kt_ft.moe.device_experts import DeviceExperts
+    from kt_ft.moe.resident import ResidentExperts
+
+    gen = torch.Generator().manual_seed(3)
+    base, _, _, ids, weights, _ = make_problem(6, 4, 2, 16, 8, 2, torch.float32, gen)
+    cpu = torch.device("cpu")
+    every = DeviceExperts(base, ResidentExperts(base, range(4)), None)
+    every.begin(cpu)
+    order, parts = every._route(every.split(ids, weights)[0])
+    assert len(parts) == 1 and parts[0].rows == ids.numel() and parts[0].groups._counts is None
+    assert parts[0].groups.counts == torch.bincount(ids.reshape(-1), minlength=4).tolist()
+    some = DeviceExperts(base, ResidentExperts(base, (1, 3)), None)
+    some.begin(cpu)
+    local = some.split(ids, weights)[0]
+    order, parts = some._route(local)
+    want = [int((ids == e).sum()) for e in (1, 3)]
+    assert len(parts) == 1 and parts[0].groups._counts == want and parts[0].rows == sum(want)
+    assert parts[0].offset == int((local < 0).sum())  # the CPU's pairs sort first

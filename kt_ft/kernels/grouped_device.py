@@ -18,7 +18,6 @@ intermediate, r LoRA rank. The base layout follows ``ExpertWeights.spec`` (``ker
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -31,21 +30,23 @@ logger = get_logger(__name__)
 _refused: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) torch._grouped_mm refused once
 
 
-@dataclass
 class Groups:
-    """Rows per expert of one group: ``counts`` [G] on the host (for the loop), ``counts_dev`` [G]
-    int64 on the rows' device (for ``offs``)."""
+    """Rows per expert of one group: ``counts_dev`` [G] int64 on the rows' device (for ``offs``),
+    ``rows`` their sum, ``counts`` the same on the host when known (else read from the device, a
+    sync, only by the loop)."""
 
-    counts: list[int]
-    counts_dev: torch.Tensor
-
-    def __post_init__(self) -> None:
+    def __init__(self, counts_dev: torch.Tensor, rows: int, counts: list[int] | None = None) -> None:
+        self.counts_dev = counts_dev
+        self.rows = rows
+        self._counts = counts
         self._offs: torch.Tensor | None = None
         self._row_expert: torch.Tensor | None = None
 
     @property
-    def rows(self) -> int:
-        return sum(self.counts)
+    def counts(self) -> list[int]:
+        if self._counts is None:
+            self._counts = self.counts_dev.tolist()
+        return self._counts
 
     @property
     def offs(self) -> torch.Tensor:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -100,11 +101,12 @@ class DeviceExperts:
         ``finish`` attaches it to the model's graph *after* the CPU op. Autograd runs the most
         recently created node first, so in the backward the device experts' kernels are queued
         before the CPU op's backward blocks (and the CPU op's incoming gradient copy is started
-        before them): the GPU computes while the CPU does, both ways. One host sync (the
-        per-expert pair counts) comes before any product is queued.
+        before them): the GPU computes while the CPU does, both ways. At most one host sync (the
+        pairs per placement) comes before any product is queued; none when every expert of the
+        layer is resident, or every one streamed.
         """
-        counts, counts_dev, order = self._route(local)
-        if sum(counts[1:]) == 0:
+        order, parts = self._route(local)
+        if not parts:
             zeros = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(self.dtype), device=x.device)
             self._done()
             return lambda: zeros
@@ -114,7 +116,7 @@ class DeviceExperts:
         inputs = (x, weights, *lo)
         k = local.shape[1]
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
-            out = self._compute(x, weights, LoraTensors(*lo), scaling, counts, counts_dev, order, k)
+            out = self._compute(x, weights, LoraTensors(*lo), scaling, order, parts, k)
             self._done()
             return lambda: out
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
@@ -122,9 +124,7 @@ class DeviceExperts:
         # backward takes them from the device buffer again (``streamed.py``: reused or re-copied)
         hooks = self.streamed.saved_tensor_hooks() if self.streamed is not None else contextlib.nullcontext()
         with torch.enable_grad(), hooks:
-            out = self._compute(
-                leaves[0], leaves[1], LoraTensors(*leaves[2:]), scaling, counts, counts_dev, order, k
-            )
+            out = self._compute(leaves[0], leaves[1], LoraTensors(*leaves[2:]), scaling, order, parts, k)
         self._done()
         return lambda: _DeviceShare.apply((out, leaves, self), *inputs)
 
@@ -148,50 +148,67 @@ class DeviceExperts:
         if self.streamed is not None:
             self.streamed.done()
 
-    def _route(self, local: torch.Tensor) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """(counts: [pairs computed elsewhere, pairs of device expert 0, 1, ...] on the host, the
-        same on the device, order [T*k]: flat pair indices sorted by device index, the others
-        (-1) first)."""
+    def _route(self, local: torch.Tensor) -> tuple[torch.Tensor, list[_Part]]:
+        """(order [T*k]: flat pair indices sorted by device index, the others (-1) first; the
+        placements with pairs, in that order)."""
         flat = local.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts_dev = torch.bincount(flat + 1, minlength=len(self.ids) + 1)
-        return counts_dev.tolist(), counts_dev, order  # tolist: the one host sync
-
-    def _groups(self) -> list[tuple[Callable[[], ExpertWeights], int, int]]:
-        """(weights getter, first local index, end) for the resident, then the streamed experts."""
+        counts_dev = torch.bincount(flat + 1, minlength=len(self.ids) + 1)  # [pairs elsewhere, e0, e1, ...]
         r, n = self.num_resident, len(self.ids)
-        groups = []
-        if r:
-            groups.append((lambda: self.resident.weights, 0, r))
+        spans = [(lambda: self.resident.weights, 0, r)] if r else []
         if n > r:
-            groups.append((self.streamed.weights, r, n))
-        return groups
+            spans.append((self.streamed.weights, r, n))
+        if not self.cpu_follows and len(spans) == 1:
+            # every pair is on the device, in one placement: no need to ask the device how many
+            get, j0, j1 = spans[0]
+            rows = flat.numel()
+            return order, [_Part(get, j0, j1, 0, rows, Groups(counts_dev[1:], rows))] if rows else []
+        counts = counts_dev.tolist()  # the one host sync
+        parts, off = [], counts[0]
+        for get, j0, j1 in spans:
+            host = counts[1 + j0 : 1 + j1]
+            rows = sum(host)
+            if rows:
+                parts.append(_Part(get, j0, j1, off, rows, Groups(counts_dev[1 + j0 : 1 + j1], rows, host)))
+            off += rows
+        return order, parts
 
-    def _compute(self, x, weights, lo: LoraTensors, scaling: float, counts, counts_dev, order, k: int):
+    def _compute(self, x, weights, lo: LoraTensors, scaling: float, order, parts: list[_Part], k: int):
         """The formula of the module doc for every device expert with pairs -> [T, H] accum dtype:
         one grouped product per projection for the resident experts and one for the streamed ones
-        (``grouped_linear``), whatever their number."""
+        (``kernels/grouped_device.py``), whatever their number."""
         dt = self.dtype
         out = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(dt), device=x.device)
         lo = LoraTensors(*(t.to(dt) for t in lo))
         w_flat = weights.reshape(-1)
         xd = x.to(dt)
-        off = counts[0]
-        for get, j0, j1 in self._groups():
-            n = sum(counts[1 + j0 : 1 + j1])
-            if n == 0:
-                continue  # e.g. no pair for any streamed expert: their copy is not waited for
-            src = get()  # streamed: the current stream waits (on the device) for their copy here
-            pairs = order[off : off + n]
-            off += n
+        for part in parts:
+            src = part.weights()  # streamed: the current stream waits (on the device) for their copy here
+            pairs = order[part.offset : part.offset + part.rows]
             tok = torch.div(pairs, k, rounding_mode="floor")
-            group = Groups(counts[1 + j0 : 1 + j1], counts_dev[1 + j0 : 1 + j1])
             d = grouped_expert_forward(
-                xd.index_select(0, tok), src, LoraTensors(*(t[j0:j1] for t in lo)), scaling, group
+                xd.index_select(0, tok),
+                src,
+                LoraTensors(*(t[part.j0 : part.j1] for t in lo)),
+                scaling,
+                part.groups,
             )
             w = w_flat.index_select(0, pairs).to(out.dtype)
             out = out.index_add(0, tok, d.to(out.dtype) * w[:, None])
         return out
+
+
+@dataclass
+class _Part:
+    """One placement's share of a layer's pairs: ``weights()`` gives its experts' base weights on
+    the device (local indices j0..j1-1); its ``rows`` pairs start at ``offset`` in the sorted order."""
+
+    weights: Callable[[], ExpertWeights]
+    j0: int
+    j1: int
+    offset: int
+    rows: int
+    groups: Groups
 
 
 class _LoraToDevice(torch.autograd.Function):

@@ -205,7 +205,7 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda
     )
     x = rnd(e * m, h, grad=True)
     grad = rnd(e * m, h)
-    groups = Groups([m] * e, torch.full((e,), m, device=dev))
+    groups = Groups(torch.full((e,), m, device=dev), e * m, [m] * e)
 
     def run():
         grouped_expert_forward(x, base, lora, 2.0, groups).backward(grad)
