@@ -4,8 +4,8 @@
   (the layer's H and I, at most 8 experts, as many rows per expert as the planned micro-batch
   gives: T·k/E, at most 512), counted with ``LayerShape.pair_flops``.
 * link: a pinned host -> GPU copy of 256 MiB.
-* GPU: a dense bf16 matmul (8192²), and the forward of 16 experts one after the other at the
-  layer's rows per expert (expert-shaped products with their launch overhead).
+* GPU: a dense bf16 matmul (8192²), and one layer of resident experts computed as a run computes
+  them (``measure_gpu_expert_flops``: its overheads, LoRA copies included, are in the rate).
 
 Cached in ``~/.cache/kt-ft/rates.json`` (``KT_FT_CACHE_DIR`` moves it), keyed by the CPU model,
 physical cores / logical CPUs, the GPU's name and the torch version; the CPU figure also by
@@ -180,37 +180,46 @@ def measure_gpu_flops(n: int = 8192, device: str = "cuda") -> float:
 
 
 def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda", rank: int = 8) -> float:
-    """The device experts' rate as the run computes them (``kernels/grouped_device.py``: grouped
-    products, LoRA, autograd): forward + backward of up to 64 experts at the layer's rows per
-    expert, counted with ``pair_flops`` (the cost model adds the recompute's forward at this rate)."""
+    """The device experts' rate as a run gets it: one layer of resident experts through
+    ``moe/device_experts.py`` (routing split, the LoRA rows' copy to the device and their gradients'
+    copy back, grouped products, autograd), forward + backward, counted with ``pair_flops`` (the
+    cost model adds the recompute's forward at this rate). Every expert of the layer when they fit
+    in 4 GiB, else fewer at the same rows per expert."""
     import torch
 
-    from ..kernels.base import ExpertWeights, LoraTensors
-    from ..kernels.grouped_device import Groups, grouped_expert_forward
+    from ..kernels.base import ExpertWeights
+    from ..moe.device_experts import DeviceExperts
+    from ..moe.resident import ResidentExperts
 
-    e, h, i = min(64, shape.num_experts), shape.hidden, shape.inter
+    h, i, k = shape.hidden, shape.inter, shape.top_k
+    e = max(k, min(shape.num_experts, (4 * 2**30) // max(1, shape.expert_bytes)))
     m = rows_per_expert(shape, tokens)
-    dev, bf = device, torch.bfloat16
+    t = max(1, math.ceil(m * e / k))
+    dev, bf = torch.device(device), torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    def rnd(*size, scale=1.0, grad=False):
-        return (torch.randn(*size, generator=gen, device=dev, dtype=bf) * scale).requires_grad_(grad)
+    def rnd(*size, scale=1.0, dtype=bf, on=dev):
+        return (torch.randn(*size, generator=gen, device=dev, dtype=dtype) * scale).to(on)
 
+    # the weights are made on the device (fast); the resident copy of them is then a no-op
     base = ExpertWeights(rnd(e, 2 * i, h, scale=h**-0.5), rnd(e, h, i, scale=i**-0.5))
-    lora = LoraTensors(
-        *(
-            rnd(e, *sz, scale=0.01, grad=True)
-            for sz in ((rank, h), (i, rank), (rank, h), (i, rank), (rank, i), (h, rank))
-        )
-    )
-    x = rnd(e * m, h, grad=True)
-    grad = rnd(e * m, h)
-    groups = Groups(torch.full((e,), m, device=dev), e * m, [m] * e)
+    experts = DeviceExperts(base, ResidentExperts(base, range(e)), None)
+    experts.begin(dev)
+    cpu = torch.device("cpu")
+    lora = [
+        rnd(e, *sz, scale=0.01, dtype=torch.float32, on=cpu).requires_grad_()
+        for sz in ((rank, h), (i, rank), (rank, h), (i, rank), (rank, i), (h, rank))
+    ]
+    x = rnd(t, h).requires_grad_()
+    weights, ids = torch.rand(t, e, generator=gen, device=dev).topk(k, -1)
+    weights = weights.to(bf).requires_grad_()
+    grad = rnd(t, h, dtype=torch.float32)
 
     def run():
-        grouped_expert_forward(x, base, lora, 2.0, groups).backward(grad)
+        local, _, w = experts.split(ids, weights)
+        experts.start(x, local, w, lora, 2.0)().backward(grad)
 
-    return e * m * shape.pair_flops(rank) / _best(run, 3, _sync(device))
+    return t * k * shape.pair_flops(rank) / _best(run, 3, _sync(device))
 
 
 def device_rates_on_cpu(rates: Rates, shape: LayerShape, tokens: int, rank: int = 8) -> Rates:
@@ -295,7 +304,7 @@ def machine_rates(
     if cuda:
         link = figure("link_bytes_s", None, "link_gbps" in overrides, measure_link_bytes_s)
         gpu = figure("gpu_flops", None, "gpu_tflops" in overrides, measure_gpu_flops)
-        e_key = f"grouped fwd+bwd | H {shape.hidden} I {shape.inter} r {rank} | {rows} rows"
+        e_key = f"device layer fwd+bwd | E {shape.num_experts} H {shape.hidden} I {shape.inter} k {shape.top_k} r {rank} | {rows} rows"
         gpu_e = figure(
             "gpu_expert_flops",
             e_key,
