@@ -20,7 +20,7 @@ from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
 # Portable fast backends; kt-kernel (bf16 only, AMX tile shapes) has its own test file.
-FAST = ["torch"]
+FAST = ["torch", "torch-ep"]
 
 
 def run_backend(name, base, lora, x, ids, w, gy, scaling):
@@ -286,3 +286,37 @@ def test_kt_kernel_refuses_gpt_oss_experts_and_auto_picks_torch():
     with pytest.raises(KTConfigError, match="kt_backend='kt-kernel' cannot run for these experts: kt-kernel"):
         select_backend("kt-kernel", torch.bfloat16, GPT_OSS_SPEC)
     assert select_backend("reference", torch.float32, GPT_OSS_SPEC)[0].name == "reference"
+
+
+def test_torch_ep_balances_whole_experts_over_workers():
+    from kt_ft.kernels.grouped_parallel import balance
+
+    assert balance([16, 0, 48, 16, 32], 2) == [[2, 3], [0, 4]]  # 48 + 16 | 32 + 16
+    assert balance([16, 16], 4) == [[0], [1]]  # idle workers get no list
+    assert balance([0, 0], 2) == []
+
+
+def test_torch_ep_runs_products_on_its_worker_threads(rng):
+    """The products run on the backend's workers (not the caller), and the caller's thread count is
+    what it was."""
+    import threading
+
+    base, lora, x, ids, w, gy = make_problem(40, 8, 2, 32, 16, 4, torch.float32, rng)
+    be = BACKENDS["torch-ep"]()
+    be.prepare(base, threads=2)
+    seen = set()
+    mm = torch.mm
+
+    def spy(*a, **kw):
+        seen.add(threading.current_thread().name.split("_")[0])
+        return mm(*a, **kw)
+
+    before = torch.get_num_threads()
+    torch.mm = spy
+    try:
+        out, ctx = be.forward(x, ids, w, base, lora, 2.0, True)
+        be.backward(ctx, gy)
+    finally:
+        torch.mm = mm
+    assert seen == {"kt-ft-expert"}
+    assert torch.get_num_threads() == before

@@ -1,7 +1,8 @@
 """CPU expert compute backends and how one is chosen.
 
 ``reference`` is the ground truth (a loop over experts under autograd); ``torch`` is the
-portable grouped backend; ``kt-kernel`` runs kt-kernel's AMX/AVX512-BF16 SFT kernel where
+portable grouped backend, ``torch-ep`` the same with experts in parallel threads (not picked by
+``auto`` until measured faster); ``kt-kernel`` runs kt-kernel's AMX/AVX512-BF16 SFT kernel where
 the CPU and the installed kt-kernel build have it.
 """
 
@@ -12,11 +13,13 @@ import torch
 from ..errors import KTConfigError
 from .base import LORA_NAMES, ExpertBackend, ExpertSpec, ExpertWeights, LoraTensors
 from .grouped import GroupedTorchBackend
+from .grouped_parallel import ExpertParallelTorchBackend
 from .kt_kernel_backend import KTKernelBackend
 from .reference import ReferenceBackend, reference_moe
 
 BACKENDS: dict[str, type[ExpertBackend]] = {
-    cls.name: cls for cls in (GroupedTorchBackend, ReferenceBackend, KTKernelBackend)
+    cls.name: cls
+    for cls in (GroupedTorchBackend, ExpertParallelTorchBackend, ReferenceBackend, KTKernelBackend)
 }
 # `auto` tries these in order and takes the first that can run here.
 AUTO_ORDER = ("kt-kernel", "torch")
