@@ -384,3 +384,45 @@ def test_resident_experts_on_cuda_train_like_all_cpu(gpu_rule, gc):
     a, b = expert_lora(res_model), expert_lora(cpu_model)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-3, msg=k)
+
+
+@pytest.mark.parametrize("ids", [(1, 2, 5), tuple(range(8))], ids=["some", "every"])
+def test_device_share_graphs_are_released_by_their_backward(ids):
+    """Each layer's device-side graph (``moe/inner_graph.py``) is freed by that layer's backward: after
+    the backward of two chained layers no tensor saved inside them is held while their output
+    (and so the model's graph) still exists. A second backward through the same graph is refused
+    with a message."""
+    import weakref
+
+    from kt_ft.kernels.grouped import GroupedTorchBackend
+
+    class Holder:
+        def __init__(self, t):
+            self.t = t
+
+    hf = tiny_model().model.layers[0].mlp.experts
+    gen = torch.Generator().manual_seed(1)
+    mods = [
+        KTExperts(hf, i, 4, 2.0, GroupedTorchBackend(), 4096, None, generator=gen, resident_ids=ids)
+        for i in (0, 1)
+    ]
+    x = torch.randn(9, 64, requires_grad=True)
+    top = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(9)])
+    w = torch.rand(9, 2, generator=gen, requires_grad=True)
+    refs = []
+
+    def pack(t):
+        h = Holder(t)
+        refs.append(weakref.ref(h))
+        return h
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
+        y = mods[1](mods[0](x, top, w), top, w)
+    y.square().sum().backward()
+    # y keeps the model's graph (and each layer's ctx) alive: a retained inner graph would still
+    # hold its saved tensors here, as it did until the end of every backward
+    assert refs and sum(r() is not None for r in refs) == 0
+    loss = mods[1](mods[0](x, top, w), top, w).square().sum()
+    loss.backward(retain_graph=True)  # the model's graph kept, the device share's is not
+    with pytest.raises(RuntimeError, match="second backward through the same graph is not supported"):
+        loss.backward()

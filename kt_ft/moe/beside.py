@@ -46,6 +46,7 @@ from torch import nn
 
 from ..log import get_logger
 from .function import prefetch_grad_out
+from .inner_graph import inner_grads, take_inner
 
 logger = get_logger(__name__)
 
@@ -67,14 +68,11 @@ class _AttachBeside(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out, leaves = ctx.inner
+        out, leaves = take_inner(ctx, "shared experts beside the CPU op")
         # the block output's gradient is also the CPU op's incoming gradient: start its copy
         # before queuing this branch's kernels (the CPU op's backward comes next)
         prefetch_grad_out(grad.reshape(-1, grad.shape[-1]))
-        want = [t for t in leaves if t.requires_grad]
-        # retain_graph: the outer graph may be backwarded more than once (retain_graph=True)
-        got = iter(torch.autograd.grad(out, want, grad, allow_unused=True, retain_graph=True))
-        return (None, *(next(got) if t.requires_grad else None for t in leaves))
+        return (None, *inner_grads(out, leaves, grad))
 
 
 class SharedBeside:

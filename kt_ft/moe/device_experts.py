@@ -32,6 +32,7 @@ import torch
 from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype
 from ..kernels.grouped_device import Groups, grouped_expert_forward
 from .function import prefetch_grad_out
+from .inner_graph import inner_grads, take_inner
 from .resident import ResidentExperts
 from .streamed import StreamedExperts
 
@@ -250,17 +251,11 @@ class _DeviceShare(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        out, leaves, dev = ctx.inner
+        out, leaves, dev = take_inner(ctx, "device experts")
         if dev.cpu_follows:
             prefetch_grad_out(grad)  # the CPU op's backward (next) gets the same gradient
         if dev.streamed is not None:
             dev.streamed.begin_backward()  # this layer's streamed weights back (reused or re-copied)
-        want = [t for t in leaves if t.requires_grad]
-        # retain_graph: the outer graph may be backwarded more than once (retain_graph=True)
-        got = iter(torch.autograd.grad(out, want, grad.to(out.dtype), allow_unused=True, retain_graph=True))
+        grads = inner_grads(out, leaves, grad.to(out.dtype), zeros_for_unused=True)
         dev._done()
-        grads = []
-        for t in leaves:
-            g = next(got) if t.requires_grad else None
-            grads.append(torch.zeros_like(t) if g is None and t.requires_grad else g)
         return None, *grads
