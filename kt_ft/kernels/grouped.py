@@ -325,7 +325,12 @@ class GroupedTorchBackend(ExpertBackend):
         grads["up_b"] = db_gu[:, inter:, rank:] * s
         grads["gate_a"], grads["up_a"] = da_gu[:, :rank], da_gu[:, rank:]
 
-        grad_x = dxs.index_select(0, ctx.inv).view(t, k, hidden).sum(1, dtype=acc)
+        # sum over the k slots as the forward does: [T,1,k] ones @ [T,k,H] (fp32 accumulation, one
+        # rounding to the compute dtype); .sum(1, dtype=float32) first converted the whole
+        # [T*k, H] gather to float32: 180 ms -> 91 ms for this line at 4096 tokens (Qwen3-30B-A3B
+        # layer, 2 threads)
+        dx_tok = dxs.index_select(0, ctx.inv).view(t, k, hidden)
+        grad_x = torch.bmm(dx_tok.new_ones(t, 1, k), dx_tok).view(t, hidden).to(acc)
         grad_w = grad_ws.index_select(0, ctx.inv).view(t, k)
         if ctx.saved not in self._free:  # a repeated backward (retain_graph) returns it once
             self._free.append(ctx.saved)
