@@ -27,7 +27,7 @@ from .base import ExpertWeights, LoraTensors
 
 logger = get_logger(__name__)
 
-_refused: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) torch._grouped_mm refused once
+_refused: set[tuple] = set()  # product signatures torch._grouped_mm refused once
 
 
 class Groups:
@@ -87,7 +87,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor
     e.g. a transposed view of [G, M, K] weights); differentiable w.r.t. a and b.
 
     ``torch._grouped_mm`` where it runs, else (and with ``KT_FT_GROUPED_DEVICE=0``) the loop."""
-    key = (a.device.type, a.dtype)
+    # per product signature: a refusal for one (e.g. a LoRA rank whose rows are not 16-byte
+    # aligned) leaves the others grouped
+    key = (a.device.type, a.dtype, a.shape[1], tuple(b.shape[1:]), b.stride())
     if _grouped_enabled() and key not in _refused and hasattr(torch, "_grouped_mm"):
         try:
             return torch._grouped_mm(a, b, offs=groups.offs)
@@ -95,7 +97,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor
             # shape/dtype checks raise before any kernel is queued: nothing half-done to undo
             _refused.add(key)
             logger.info(
-                f"torch._grouped_mm refused {key[1]} on {key[0]} ({str(e).splitlines()[0]}); looping over experts"
+                f"torch._grouped_mm refused a {a.dtype} [N, {a.shape[1]}] x {list(b.shape[1:])} product on "
+                f"{a.device.type} ({str(e).splitlines()[0]}); that product loops over experts"
             )
     return grouped_mm_loop(a, b, groups)
 
