@@ -16,8 +16,8 @@ estimate of everything else for the full model, and the planner counts each benc
 resident experts real layers / layers times (the stream buffers and the activation reserve,
 a layer or two whatever the depth, once: ``placement/planner.py`` ``layer_scale``). Each kt-ft
 record carries the cost model's predicted step time beside the measured one (rates:
-``placement/measure.py``'s cache or a measurement; on a CPU-only machine the "GPU" is the CPU device, its rates measured there, so the smoke run
-exercises the resident path). ``--plot FILE.png`` draws tokens/s against the cap (matplotlib).
+``placement/measure.py``'s cache or a measurement; on a CPU-only machine the "GPU" is the
+CPU device, its rates measured there, so the smoke run exercises the resident path). ``--plot FILE.png`` draws tokens/s against the cap (matplotlib).
 """
 
 from __future__ import annotations
