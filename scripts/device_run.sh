@@ -25,6 +25,10 @@ PARTS=${PARTS:-tests,op,step}  # also: overlap, placement
   tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_grouped_device.py \
   tests/test_loading.py tests/test_load_memory.py \
   2>&1 | tee "$OUT/pytest.log"
+# issue 8: tokens/s against the GPU memory cap for all-CPU, all-streamed, auto and all-GPU, predicted beside measured
+[[ $PARTS == *placement* ]] && KT_FT_BENCH_PROFILE=${PROFILE_DIR:-$OUT/prof} timeout "${PLACEMENT_TIMEOUT:-580}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" \
+  --parts placement --layers "${PLACEMENT_LAYERS:-4}" --seq "${SEQ:-2048}" --threads "$THREADS" --caps "${CAPS:-24,80}" \
+  --json "$OUT/placement.json" --plot "$OUT/placement.png" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|run/s\]$" | tee "$OUT/placement.log"
 [[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --parts op \
   --tokens "${TOKENS:-512,2048,4096}" --threads "$THREADS" --repeat 2 --json "$OUT/bench.json" 2>&1 \
   | tr '\r' '\n' | grep -v "it/s\]$\|case/s\]$" | tee "$OUT/bench.log"
@@ -40,8 +44,4 @@ for ov in 0 1; do
     --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/overlap-$ov.json" 2>&1 \
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/overlap-$ov.log"
 done
-# issue 8: tokens/s against the GPU memory cap for all-CPU, all-streamed, auto and all-GPU, predicted beside measured
-[[ $PARTS == *placement* ]] && timeout "${PLACEMENT_TIMEOUT:-580}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" \
-  --parts placement --layers "${PLACEMENT_LAYERS:-4}" --seq "${SEQ:-2048}" --threads "$THREADS" --caps "${CAPS:-24,80}" \
-  --json "$OUT/placement.json" --plot "$OUT/placement.png" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|run/s\]$" | tee "$OUT/placement.log"
 exit 0
