@@ -250,20 +250,27 @@ def offload_device_map(model_dir: str, keep_share: float) -> tuple[dict[str, int
     return device_map, len(names) - keep, len(names)
 
 
+def _train_step(model, ids, opt, cuda: bool):
+    """One optimizer step on ``ids`` (labels = inputs); returns the loss once the device is done."""
+    import torch
+
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return loss
+
+
 def _profile_step(model, ids, opt, path: Path, cuda: bool) -> None:
     """``KT_FT_BENCH_PROFILE=DIR``: one training step under torch.profiler, its op table (by self CPU
     time and by device time) written to ``path``."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
+        _train_step(model, ids, opt, cuda)
     table = prof.key_averages()
     path.parent.mkdir(parents=True, exist_ok=True)
     text = table.table(sort_by="self_cpu_time_total", row_limit=40)
@@ -322,12 +329,7 @@ def worker(args: argparse.Namespace) -> StepRecord:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
+        loss = _train_step(model, ids, opt, cuda)
         times.append(time.perf_counter() - t0)
         busy.append(sum(r.busy_s for r in runners) - busy0)
         losses.append(float(loss))
