@@ -20,7 +20,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from test_parity import ATTN
-from test_resident import batches, call_spy, kt_layers, train
+from test_resident import _first_grads, batches, call_spy, kt_layers, train
 from tiny_models import tiny_model
 from transformers import CONFIG_MAPPING
 
@@ -109,14 +109,7 @@ def test_first_step_gradients_match(family, gc, monkeypatch):
     LoRA must still get one) within 2e-6 of its largest entry (seen 3.7e-7; 0 for DeepSeek)."""
     grads = []
     for overlap in (False, True):
-        model = build(family, overlap, monkeypatch)
-        if gc:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-            model.enable_input_require_grads()
-        model.train()
-        ids = batches()[0]
-        model(input_ids=ids, labels=ids).loss.backward()
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+        grads.append(_first_grads(build(family, overlap, monkeypatch), gc))
     ref, got = grads
     assert ref.keys() == got.keys()
     missing = [n for n, g in got.items() if g is None and ref[n] is not None]

@@ -92,14 +92,17 @@ def train(model, batches, steps, gc, device="cpu"):
 
 
 def _first_grads(model, gc) -> dict[str, torch.Tensor]:
-    """Gradients of every trainable tensor after one forward/backward on the first batch."""
+    """Gradients of every trainable tensor after one forward/backward on the first batch (None for
+    one that got none)."""
     if gc:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.enable_input_require_grads()
     model.train()
     ids = batches()[0]
     model(input_ids=ids, labels=ids).loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {
+        n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad
+    }
 
 
 def call_spy(monkeypatch, calls: list[str]):
