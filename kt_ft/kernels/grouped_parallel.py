@@ -45,6 +45,7 @@ class ExpertParallelTorchBackend(GroupedTorchBackend):
         super().__init__()
         self._threads = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._workers_n = 0
 
     def prepare(self, weights: ExpertWeights, threads: int | None = None, max_tokens: int = 4096) -> None:
         self._threads = threads or torch.get_num_threads()
@@ -60,6 +61,7 @@ class ExpertParallelTorchBackend(GroupedTorchBackend):
                 started.wait()  # every worker thread exists (the pool spawns one per waiting task)
 
             self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="kt-ft-expert")
+            self._workers_n = n
             for f in [self._pool.submit(start) for _ in range(n)]:
                 f.result()
             torch.set_num_threads(caller)  # MKL's and torch's global counts back for the caller
@@ -74,7 +76,7 @@ class ExpertParallelTorchBackend(GroupedTorchBackend):
                 for fn in products:
                     fn(e, slices[e])
 
-        for f in [pool.submit(run, chunk) for chunk in balance(counts, pool._max_workers)]:
+        for f in [pool.submit(run, chunk) for chunk in balance(counts, self._workers_n)]:
             f.result()  # re-raises a worker's error here
 
     def __del__(self) -> None:
