@@ -188,6 +188,7 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda
     import torch
 
     from ..kernels.base import ExpertWeights
+    from ..lora.fused import expert_lora_shapes
     from ..moe.device_experts import DeviceExperts
     from ..moe.resident import ResidentExperts
 
@@ -207,8 +208,8 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda
     experts.begin(dev)
     cpu = torch.device("cpu")
     lora = [
-        rnd(e, *sz, scale=0.01, dtype=torch.float32, on=cpu).requires_grad_()
-        for sz in ((rank, h), (i, rank), (rank, h), (i, rank), (rank, i), (h, rank))
+        rnd(*sz, scale=0.01, dtype=torch.float32, on=cpu).requires_grad_()
+        for sz in expert_lora_shapes(e, h, i, rank).values()
     ]
     x = rnd(t, h).requires_grad_()
     weights, ids = torch.rand(t, e, generator=gen, device=dev).topk(k, -1)
