@@ -5,9 +5,11 @@ preset (``--layers`` of its decoder layers, default 4; the whole ``tiny`` model)
 of ``--seq`` tokens a step, LoRA r 8, gradient checkpointing, AdamW, best step after a warm-up:
 
 - ``kt-ft[cpu]``: every routed expert on the CPU (cap-independent: one run);
+- ``kt-ft[cpu kt-kernel]``: the same with kt-kernel's CPU kernel, where it runs and the bench's
+  backend is another one (the "kt-kernel only" baseline of issue 8: KTransformers' placement);
 - ``kt-ft[auto]``: ``placement: auto`` at each cap (the planner's split: resident / streamed / CPU);
-- ``kt-ft[stream]``: every expert streamed (``stream: all``), at each cap; skipped with a note
-  while this version has no streamed experts;
+- ``kt-ft[stream]``: every expert streamed (``stream: all``; cap-independent: its buffers are
+  two layers' experts whatever the depth, so one run);
 - ``peft-gpu``: transformers + PEFT all on the GPU (cap-independent: one run; its peak memory
   says which caps it fits).
 
@@ -122,25 +124,29 @@ def run_placement(
     steps: int,
     timeout_s: int = 900,
     all_gpu: bool = True,
+    kt_kernel: bool = False,
 ) -> list[StepRecord]:
     """Every placement system at every cap (module doc), each in a subprocess; failures printed.
-    ``all_gpu``: False leaves out the transformers + PEFT run (``--systems`` without peft-gpu)."""
+    ``all_gpu``: False leaves out the transformers + PEFT run (``--systems`` without peft-gpu);
+    ``kt_kernel``: add the all-CPU run with kt-kernel's kernel (when ``backend`` is another)."""
     from tqdm import tqdm
 
     n_layers = layers or min(MODEL_CONFIGS[preset][1]["num_hidden_layers"], 4)
-    jobs: list[tuple[str, str | None, float | None]] = [("kt-ft", "cpu", None)]
-    jobs += [("kt-ft", "auto", c) for c in caps]
-    jobs += [("kt-ft", "stream", c) for c in caps]
+    jobs: list[tuple[str, str | None, float | None, str]] = [("kt-ft", "cpu", None, backend)]
+    if kt_kernel and backend != "kt-kernel":
+        jobs.append(("kt-ft", "cpu", None, "kt-kernel"))
+    jobs += [("kt-ft", "auto", c, backend) for c in caps]
+    jobs.append(("kt-ft", "stream", None, backend))
     if all_gpu:
-        jobs.append(("peft-gpu", None, None))
+        jobs.append(("peft-gpu", None, None, backend))
     records: list[StepRecord] = []
     with tempfile.TemporaryDirectory(prefix="kt-ft-bench-") as tmp:
         model_dir, _ = build_model_dir(preset, n_layers, Path(tmp) / "model")
-        for system, placement, cap in tqdm(
+        for system, placement, cap, job_backend in tqdm(
             jobs, desc=f"placement bench {preset} x{n_layers} layers", unit="run"
         ):
-            out = Path(tmp) / f"{system}-{placement}-{cap}.json"
-            cmd = [sys.executable, "-m", "kt_ft.bench_step", "--system", system, "--backend", backend,
+            out = Path(tmp) / f"{system}-{placement}-{cap}-{job_backend}.json"
+            cmd = [sys.executable, "-m", "kt_ft.bench_step", "--system", system, "--backend", job_backend,
                    "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
                    "--steps", str(steps), "--out", str(out)]  # fmt: skip
             if placement is not None:
@@ -149,7 +155,9 @@ def run_placement(
                 budget = expert_budget(preset, cap, seq)
                 cmd += ["--gpu-cap-gib", f"{cap:g}", "--expert-budget", str(budget)]
             label = (
-                f"{system}[{placement}] cap {cap:g} GiB" if cap is not None else f"{system} {placement or ''}"
+                f"{system}[{placement}] cap {cap:g} GiB"
+                if cap is not None
+                else f"{system} {placement or ''} {job_backend if system == 'kt-ft' else ''}".strip()
             )
             rec = run_one(cmd, out, label, timeout_s)
             if rec is None:

@@ -297,6 +297,8 @@ def worker(args: argparse.Namespace) -> StepRecord:
     if args.system == "kt-ft":
         model, note = _load_kt(args.model, device, args.backend, args.threads, args.seq, placement)
         name = f"kt-ft[{args.backend}]" if placement is None else f"kt-ft[{args.placement}]"
+        if args.placement == "cpu" and args.backend == "kt-kernel":
+            name = "kt-ft[cpu kt-kernel]"  # the all-CPU baseline beside the bench's own backend
     elif args.system == "peft-gpu":
         model, note = _load_peft(args.model, device, {"": device})
         name = "peft-gpu" if cuda else "peft-cpu"  # without CUDA the "all on the GPU" system runs on the CPU

@@ -171,7 +171,7 @@ def _bench(args: argparse.Namespace) -> int:
         layers = [int(v) for v in args.layers.split(",")] if args.layers else [None]
         step_backends = [b for b in backends if b != "reference"] or ["auto"]
         placed = run_placement(args.preset, layers[-1], args.seq, caps, step_backends[0], args.threads, args.steps,
-                               all_gpu="peft-gpu" in systems)  # fmt: skip
+                               all_gpu="peft-gpu" in systems, kt_kernel="kt-kernel" in step_backends)  # fmt: skip
         records += placed
         if args.plot and placed:
             plot_placement(placed, args.plot)
