@@ -21,10 +21,11 @@ THREADS=${THREADS:-$(nproc)}
   python3 -c "import kt_kernel; print('kt_kernel variant', kt_kernel.__cpu_variant__)"
 } 2>&1 | tee "$OUT/env.txt"
 PARTS=${PARTS:-tests,op,step}  # also: overlap, placement
+# TESTS: other test files / node ids, TEST_K: a pytest -k expression (e.g. TEST_K=cuda)
+TESTS=${TESTS:-tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_grouped_device.py tests/test_loading.py tests/test_load_memory.py}
+# shellcheck disable=SC2086
 [[ $PARTS == *tests* ]] && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_grouped_device.py \
-  tests/test_loading.py tests/test_load_memory.py \
-  2>&1 | tee "$OUT/pytest.log"
+  ${TEST_K:+-k "$TEST_K"} $TESTS 2>&1 | tee "$OUT/pytest.log"
 # issue 8: tokens/s against the GPU memory cap for all-CPU, all-streamed, auto and all-GPU, predicted beside measured
 [[ $PARTS == *placement* ]] && KT_FT_BENCH_PROFILE=${PROFILE_DIR:-$OUT/prof} timeout "${PLACEMENT_TIMEOUT:-580}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" \
   --parts placement --layers "${PLACEMENT_LAYERS:-4}" --seq "${SEQ:-2048}" --threads "$THREADS" --caps "${CAPS:-24,80}" \

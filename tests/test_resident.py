@@ -172,6 +172,51 @@ def test_resident_experts_train_like_all_cpu(gpu_rule, gc):
     assert set(res_model.state_dict()) == sd_names
 
 
+@pytest.mark.parametrize("split", ["every", "mixed"])
+def test_lora_on_the_device_trains_like_all_cpu(gpu_rule, tmp_path, monkeypatch, split):
+    """Expert LoRA living on the training device (``moe/patch.py`` ``lora_home``; the "device" is
+    the CPU here, forced for every layer): with every expert on the device the LoRA rows are used
+    in place (no copy, no host mirror); with CPU experts left (``mixed``) the CPU op reads a host
+    mirror refreshed once per step (the recompute reuses it). Both train like all-CPU, with
+    checkpointing, within test_resident_experts_train_like_all_cpu's bounds."""
+    import kt_ft.moe.patch as patch_mod
+
+    rule = gpu_rule
+    if split == "every":
+        rule = tmp_path / "every.yaml"
+        rule.write_text(GPU_RULE.replace("[{layers: 1, ids: [1, 6]}, {count: 3}]", "8"))
+    cpu_model = build(resolve_rule_path("qwen3_moe-torch"))  # LoRA on the CPU (the default)
+    assert not any(m.lora_on_device for m in kt_layers(cpu_model))
+    monkeypatch.setattr(patch_mod, "lora_home", lambda device, all_on_device: device)
+    dev_model = build(rule)
+    layers = kt_layers(dev_model)
+    assert all(m.lora_on_device for m in layers) and "lora_device=cpu" in repr(layers[0])
+    ref = train(cpu_model, batches(), 4, True)
+    got = train(dev_model, batches(), 4, True)
+    assert [m.device_experts.lora_copies for m in layers] == [0, 0]
+    if split == "every":
+        assert [m.runner.forward_calls for m in layers] == [0, 0]
+        assert all(m._host_lora is None for m in layers)
+    else:
+        assert [m.host_lora_copies for m in layers] == [4, 4]  # once a step, not again for the recompute
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    a, b = expert_lora(dev_model), expert_lora(cpu_model)
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
+
+
+def test_lora_home_is_the_gpu_only_for_all_device_layers_of_one_process(monkeypatch):
+    from kt_ft.moe.patch import lora_home
+
+    cuda = torch.device("cuda", 0)
+    assert lora_home(cuda, True) == cuda
+    assert lora_home(cuda, False) is None  # CPU experts: the CPU op reads the LoRA where it is
+    assert lora_home(torch.device("cpu"), True) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")  # expert-LoRA grads are averaged over gloo on the CPU
+    assert lora_home(cuda, True) is None
+
+
 def test_resident_pairs_are_not_sent_to_the_cpu(gpu_rule, monkeypatch):
     model = build(gpu_rule)
     seen = []
@@ -378,7 +423,7 @@ def test_resident_experts_on_cuda_train_like_all_cpu(gpu_rule, gc):
     got = train(res_model, batches(), 4, gc, "cuda")
     layers = kt_layers(res_model)
     assert all(m.resident.device.type == "cuda" for m in layers)
-    assert all(p.device.type == "cpu" for m in layers for p in m.parameters())
+    assert all(p.device.type == "cpu" for m in layers for p in m.parameters())  # CPU experts: LoRA there
     assert [m.runner.forward_calls for m in layers] == [4, 4]
     # every CPU-op input and incoming gradient copy was started before the resident experts' work
     # (3 inputs per layer per forward, x2 with checkpointing's recompute, + 1 gradient per backward)
@@ -387,6 +432,36 @@ def test_resident_experts_on_cuda_train_like_all_cpu(gpu_rule, gc):
     a, b = expert_lora(res_model), expert_lora(cpu_model)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-3, msg=k)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs on the GPU machine")
+def test_all_resident_layers_keep_their_lora_on_cuda(tmp_path):
+    """Every expert resident: the expert LoRA lives on the GPU (``lora_home``), no row crosses the
+    link, the optimizer steps it there; trains like all-CPU within the CUDA bounds above (with
+    checkpointing), and the fused checkpoint still reads back into an all-CPU model."""
+    from kt_ft.checkpoint.fused import load_fused_expert_lora, save_fused_expert_lora
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rule = tmp_path / "every.yaml"
+    rule.write_text(GPU_RULE.replace("[{layers: 1, ids: [1, 6]}, {count: 3}]", "8"))
+    cpu_model = build(resolve_rule_path("qwen3_moe-torch")).to("cuda")
+    dev_model = build(rule).to("cuda")
+    layers = kt_layers(dev_model)
+    assert all(m.lora_on_device and m.gate_a.device.type == "cuda" for m in layers)
+    ref = train(cpu_model, batches(), 4, True, "cuda")
+    got = train(dev_model, batches(), 4, True, "cuda")
+    assert [m.device_experts.lora_copies for m in layers] == [0, 0]
+    assert [m.runner.forward_calls for m in layers] == [0, 0]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=0)
+    a, b = expert_lora(dev_model), expert_lora(cpu_model)
+    for k in a:
+        torch.testing.assert_close(a[k].cpu(), b[k].cpu(), rtol=0, atol=1e-3, msg=k)
+    save_fused_expert_lora(dev_model, tmp_path / "ckpt")
+    other = build(resolve_rule_path("qwen3_moe-torch"), seed=3)
+    assert load_fused_expert_lora(other, tmp_path / "ckpt") == 2
+    for k, v in expert_lora(other).items():
+        torch.testing.assert_close(v, a[k].cpu(), rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.parametrize("ids", [(1, 2, 5), tuple(range(8))], ids=["some", "every"])

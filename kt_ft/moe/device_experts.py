@@ -58,6 +58,7 @@ class DeviceExperts:
         self.ids = tuple(res_ids) + tuple(str_ids)  # local index -> expert id
         self.num_resident = len(res_ids)
         self._ids_cpu = torch.tensor(self.ids, dtype=torch.long)
+        self._ids_dev: torch.Tensor | None = None  # _ids_cpu on the device
         self._local_cpu = torch.full((self.num_experts,), -1, dtype=torch.long)
         self._local_cpu[self._ids_cpu] = torch.arange(len(self.ids))
         self._local: torch.Tensor | None = None  # _local_cpu on the device
@@ -75,6 +76,7 @@ class DeviceExperts:
             self.resident.to_device(device)
         if self._local is None or self._local.device != device:
             self._local = self._local_cpu.to(device)
+            self._ids_dev = self._ids_cpu.to(device)
         if self.streamed is not None:
             self.streamed.begin(device)
 
@@ -89,14 +91,21 @@ class DeviceExperts:
         return local, ids.masked_fill(on_device, -1), weights.masked_fill(on_device, 0)
 
     def start(
-        self, x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, lora: LoraTensors, scaling: float
+        self,
+        x: torch.Tensor,
+        local: torch.Tensor,
+        weights: torch.Tensor,
+        lora: LoraTensors,
+        scaling: float,
+        lora_on_device: bool = False,
     ) -> Callable[[], torch.Tensor]:
         """Queue the device experts' share of the layer output; returns ``finish``, to be called
         after the CPU op, which gives that share attached to the autograd graph.
 
-        x [T, H], local [T, k] (from ``split``), weights [T, k], the layer's full CPU LoRA ->
-        ``finish()`` [T, H] float32 (float64 for float64 weights) on x's device, differentiable
-        w.r.t. x, weights and lora.
+        x [T, H], local [T, k] (from ``split``), weights [T, k], the layer's full LoRA (six fp32
+        [E, ...] parameters: on the CPU, or on x's device when ``lora_on_device``) -> ``finish()``
+        [T, H] float32 (float64 for float64 weights) on x's device, differentiable w.r.t. x,
+        weights and lora.
 
         Why two steps: the share is computed here on a graph of its own (``_DeviceShare``), and
         ``finish`` attaches it to the model's graph *after* the CPU op. Autograd runs the most
@@ -111,9 +120,12 @@ class DeviceExperts:
             zeros = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(self.dtype), device=x.device)
             self._done()
             return lambda: zeros
-        # this layer's LoRA rows of the device experts on the device; their gradients go back
-        # into the CPU parameters (``_LoraToDevice``)
-        lo = _LoraToDevice.apply(self, x.device, *lora)
+        if lora_on_device:  # the parameters live here: their rows, gradients by plain autograd
+            lo = tuple(lora) if self._all else tuple(t.index_select(0, self._ids_dev) for t in lora)
+        else:
+            # this layer's LoRA rows of the device experts on the device; their gradients go back
+            # into the CPU parameters (``_LoraToDevice``)
+            lo = _LoraToDevice.apply(self, x.device, *lora)
         inputs = (x, weights, *lo)
         k = local.shape[1]
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):

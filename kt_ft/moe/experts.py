@@ -64,11 +64,16 @@ class KTExperts(nn.Module):
         resident_device: torch.device | None = None,
         stream_ids: tuple[int, ...] = (),
         scheduler: StreamScheduler | None = None,
+        lora_device: torch.device | None = None,
     ) -> None:
         """``resident_ids``: experts computed on the training device (``resident.py``), copied there
         at the first forward (to hidden_states' device), or at once to ``resident_device`` if given.
         ``stream_ids``: experts streamed to that device each time the layer runs (``streamed.py``)
-        through ``scheduler``, the model's one (a scheduler of its own when None)."""
+        through ``scheduler``, the model's one (a scheduler of its own when None).
+        ``lora_device``: where the six expert-LoRA parameters live (None: the CPU). The training
+        device pays off for a layer whose experts are all resident or streamed: no per-step copy of
+        the LoRA rows there and of their gradients back, and the optimizer steps them on the GPU
+        (``moe/patch.py`` decides). Any split still works: the CPU op then gets a host mirror."""
         super().__init__()
         names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
         for name in names:  # HF's frozen parameters, kept under their names (biases: gpt_oss only)
@@ -92,7 +97,11 @@ class KTExperts(nn.Module):
         for name, t in init_expert_lora(
             self.num_experts, self.hidden_dim, self.intermediate_dim, rank, lora_dtype, generator
         ).items():
-            setattr(self, name, nn.Parameter(t))
+            setattr(self, name, nn.Parameter(t if lora_device is None else t.to(lora_device)))
+        self.lora_on_device = lora_device is not None
+        self._host_lora: list[torch.Tensor] | None = None  # the CPU op's mirror (``_LoraToHost``)
+        self._host_key: tuple | None = None
+        self.host_lora_copies = 0  # refreshes of that mirror (a test counts them)
         on_device = len(set(resident_ids) | set(stream_ids))
         self.runner = ExpertRunner(
             backend, base, scaling, chunk_size, threads, prepare=on_device < base.num_experts
@@ -170,7 +179,10 @@ class KTExperts(nn.Module):
             if not dev.cpu_follows:  # every expert on the device: no CPU op call at all
                 if beside is not None:  # the block takes it as usual (no overlap to gain here)
                     beside.start(hidden_states)
-                return dev.start(hidden_states, local, weights, lora, self.scaling)().to(hidden_states.dtype)
+                out = dev.start(hidden_states, local, weights, lora, self.scaling, self.lora_on_device)()
+                return out.to(hidden_states.dtype)
+        # the CPU op reads CPU LoRA: a host mirror when the parameters live on the device
+        cpu_lora = LoraTensors(*_LoraToHost.apply(self, *lora)) if self.lora_on_device else lora
         if dev is not None or beside is not None:
             # order matters on a GPU: start the CPU op's input copies, then queue the GPU work
             # (shared experts, device experts), then block in the CPU op -- the GPU computes
@@ -182,14 +194,28 @@ class KTExperts(nn.Module):
         if beside is not None:
             beside.start(hidden_states)
         if dev is not None:
-            finish = dev.start(hidden_states, local, weights, lora, self.scaling)
+            finish = dev.start(hidden_states, local, weights, lora, self.scaling, self.lora_on_device)
         if first_pass:
-            out = self.runner.forward_and_stash(hidden_states, top_k_index, top_k_weights, lora)
+            out = self.runner.forward_and_stash(hidden_states, top_k_index, top_k_weights, cpu_lora)
         else:
-            out = CPUExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self.runner, *lora)
+            out = CPUExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self.runner, *cpu_lora)
         if dev is None:
             return out
         return (out + finish()).to(hidden_states.dtype)  # both float32: one rounding
+
+    def host_lora(self, params: LoraTensors) -> list[torch.Tensor]:
+        """The six device-resident LoRA ``params`` on the CPU for the CPU op: one persistent mirror,
+        refreshed in place (so backends that key caches on storage and version see the change) when
+        the parameters changed, reused by a checkpointed recompute."""
+        key = tuple((p._version, p.data_ptr()) for p in params)
+        if self._host_lora is None:
+            self._host_lora = [torch.empty(p.shape, dtype=p.dtype) for p in params]
+        if self._host_key != key:
+            for h, p in zip(self._host_lora, params):
+                h.copy_(p.detach())
+            self._host_key = key
+            self.host_lora_copies += 1
+        return self._host_lora
 
     def _apply(self, fn, recurse=True):
         # Pinned to the CPU: device and dtype moves of the whole model skip the routed experts.
@@ -201,6 +227,7 @@ class KTExperts(nn.Module):
             f"intermediate={self.intermediate_dim}, rank={self.rank}, scaling={self.scaling:g}, "
             f"{'' if self.spec.is_default else f'experts={self.spec.describe()}, '}"
             f"backend={self.runner.backend.name}, threads={self.runner.threads}, device=cpu"
+            + (f", lora_device={self.gate_a.device}" if self.lora_on_device else "")
             + (f", resident={list(self.resident.ids)}" if self.resident is not None else "")
             + (f", streamed={list(self.streamed.ids)}" if self.streamed is not None else "")
         )
@@ -209,3 +236,17 @@ class KTExperts(nn.Module):
         """This layer's streaming counters (copies, bytes_streamed, hits, prefetch_hits, copies_by),
         None when it streams nothing."""
         return self.streamed.stats() if self.streamed is not None else None
+
+
+class _LoraToHost(torch.autograd.Function):
+    """apply(kt_experts, *six device LoRA params) -> their CPU mirror (``KTExperts.host_lora``);
+    backward: the CPU op's LoRA gradients back to the parameters' device."""
+
+    @staticmethod
+    def forward(ctx, kt, *params):
+        ctx.device = params[0].device
+        return tuple(t.detach() for t in kt.host_lora(LoraTensors(*params)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, *(None if g is None else g.to(ctx.device) for g in grads)

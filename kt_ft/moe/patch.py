@@ -33,6 +33,7 @@ class KTSummary:
     resident: dict[int, tuple[int, ...]] | None = None  # layer -> experts computed on the training device
     streamed: dict[int, tuple[int, ...]] | None = None  # layer -> experts streamed to the training device
     scheduler: StreamScheduler | None = None  # the model's stream scheduler (None: nothing streams)
+    lora_on_device: tuple[int, ...] = ()  # layers whose expert LoRA lives on the training device
 
     def line(self) -> str:
         return (
@@ -46,7 +47,29 @@ class KTSummary:
                 if self.streamed
                 else ""
             )
+            + (
+                f"; expert LoRA of {len(self.lora_on_device)} layers (every expert there on the GPU) on "
+                f"{self.default_device}"
+                if self.lora_on_device
+                else ""
+            )
         )
+
+
+def lora_home(training_device: torch.device, all_on_device: bool) -> torch.device | None:
+    """Where a layer's expert LoRA lives (None: the CPU). The training GPU when every expert of the
+    layer is resident or streamed and this is a single process: the LoRA rows and their gradients
+    then cross no link each step and the optimizer steps them on the GPU (~35 MB of fp32 LoRA a
+    Qwen3-30B-A3B layer, 4x that with gradients and AdamW moments, on the GPU; a CPU AdamW over the
+    same values costs tens of ms a layer). Several processes keep it on the CPU: their expert-LoRA
+    gradients are averaged over gloo (``distributed.py``)."""
+    from ..distributed import topology
+
+    if not all_on_device or training_device.type != "cuda":
+        return None
+    if topology().distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
+    return training_device
 
 
 def _ids_text(by_layer: dict[int, tuple[int, ...]]) -> str:
@@ -75,6 +98,7 @@ def replace_routed_experts(
     scheduler = StreamScheduler()  # one per model: the layers share its device buffers
     lora_params = expert_bytes = 0
     num_experts = 0
+    lora_dev_layers: list[int] = []
     peft_wrapped = False
     # KT_FT_OVERLAP_SHARED=0: the block's own order (shared experts not started beside the CPU op)
     overlap_shared = os.environ.get("KT_FT_OVERLAP_SHARED", "1") != "0"
@@ -121,6 +145,7 @@ def replace_routed_experts(
             resident_ids=ids,
             stream_ids=stream_ids,
             scheduler=scheduler,
+            lora_device=lora_home(plan.default_device, len(ids) + len(stream_ids) == num),
         )
         setattr(parent, child, kt)
         if overlap_shared:
@@ -128,6 +153,8 @@ def replace_routed_experts(
             if how is not None:
                 overlapped.add(how)
         num_experts = kt.num_experts
+        if kt.lora_on_device:
+            lora_dev_layers.append(place.layer)
         lora_params += sum(t.numel() for t in kt.lora_tensors())
         expert_bytes += sum(p.numel() * p.element_size() for p in kt.base_parameters())
     if overlapped:
@@ -147,4 +174,5 @@ def replace_routed_experts(
         resident,
         streamed,
         scheduler if streamed else None,
+        tuple(lora_dev_layers),
     )

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from ..log import fmt_bytes
+from ..moe.patch import lora_home
 from ..rules.plan import ExpertPlacement, PlacementPlan
-from ..rules.report import TrainSizes, _expert_dims, estimate
+from ..rules.report import TRAIN_STATE_BYTES, TrainSizes, _expert_dims, estimate
 from ..rules.schema import GpuExpertSpec
 from .cost import LayerShape, LayerSplit, Prediction, Rates, non_expert_flops, predict
 from .planner import Choice, PlannerInput, choose_splits
@@ -155,6 +156,8 @@ def plan_auto(
         allow_stream=stream,
         nonexpert_flops=model_non_expert_flops(model, plan, sizes),
         layer_scale=layer_scale,
+        # all-GPU layers keep their expert LoRA + AdamW state there (16 bytes a parameter)
+        lora_state_bytes=TRAIN_STATE_BYTES if lora_home(torch.device("cuda"), True) is not None else 0,
     )
     for e, split in zip(autos, choice.splits, strict=True):
         e.gpu_experts = GpuExpertSpec(None, split.resident, None) if split.resident else None

@@ -110,6 +110,7 @@ def choose_splits(
     allow_stream: bool = True,
     nonexpert_flops: float = 0.0,
     layer_scale: float = 1.0,
+    lora_state_bytes: int = 0,
 ) -> Choice:
     """The split per layer minimising the predicted step time.
 
@@ -119,6 +120,10 @@ def choose_splits(
     ``layer_scale``: real layers each of ``inputs`` stands for (the bench plans a few layers of a
     model under the full model's budget): resident weights count that many times, the stream
     buffers and the activation reserve (one or two layers whatever the depth) once.
+    ``lora_state_bytes``: GPU bytes per expert-LoRA parameter of a layer whose experts all end on
+    the GPU (its LoRA and optimizer state move there: ``moe/patch.py`` ``lora_home``; 0: they
+    stay on the CPU); such layers' LoRA counts against the budget (scaled like resident weights),
+    taking resident experts back until it fits.
     """
     notes: list[str] = []
     pops = [i.popularity for i in inputs]
@@ -166,14 +171,15 @@ def choose_splits(
     search = _StreamSearch(rates, rank, tokens)
     classes: dict[tuple, int] = {}
     keys = [classes.setdefault((sh, tuple(pre)), len(classes)) for sh, pre in zip(shapes, prefixes)]
-    best: tuple[float, int, list[LayerSplit]] | None = None
-    for cap_s in range(max_e + 1) if allow_stream else [0]:
-        left = budget_bytes - act - STREAM_BUFFERS * cap_s * max_b
-        if left < 0:
-            break  # larger buffers fit even less
-        n_res = bisect.bisect_right(cum, left) - 1  # resident experts that fit, in the global order
-        step = 0.0
-        splits = []
+    lora_bytes = [
+        round(3 * sh.num_experts * rank * (sh.hidden + sh.inter) * lora_state_bytes * layer_scale)
+        for sh in shapes
+    ]
+
+    def evaluate(n_res: int, cap_s: int) -> tuple[float, list[LayerSplit], int]:
+        """(predicted seconds, splits, GPU bytes of moved LoRA) with the first ``n_res`` experts of
+        the global order resident and at most ``cap_s`` streamed per layer."""
+        step, splits, moved = 0.0, [], 0
         for i, inp in enumerate(inputs):
             r = bisect.bisect_left(positions[i], n_res)
             s_max = min(cap_s, inp.shape.num_experts - r)
@@ -181,6 +187,30 @@ def choose_splits(
             ids = ranked[i][0]
             splits.append(LayerSplit(tuple(sorted(ids[:r])), tuple(sorted(ids[r : r + s]))))
             step += t
+            if r + s == inp.shape.num_experts:
+                moved += lora_bytes[i]
+        return step, splits, moved
+
+    best: tuple[float, int, list[LayerSplit]] | None = None
+    for cap_s in range(max_e + 1) if allow_stream else [0]:
+        left = budget_bytes - act - STREAM_BUFFERS * cap_s * max_b
+        if left < 0:
+            break  # larger buffers fit even less
+        n_res = bisect.bisect_right(cum, left) - 1  # resident experts that fit, in the global order
+        step, splits, moved = evaluate(n_res, cap_s)
+        if cum[n_res] + moved > left:
+            # the LoRA of all-GPU layers does not fit beside them: the most resident experts that
+            # fit with it (binary search; moved LoRA grows with the resident count)
+            lo, hi = 0, n_res - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if cum[mid] + evaluate(mid, cap_s)[2] <= left:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            step, splits, moved = evaluate(lo, cap_s)
+            if cum[lo] + moved > left:
+                continue  # even with no resident expert: this stream size leaves no room
         if best is None or step < best[0] * (1 - _REL_TIE):
             best = (step, cap_s, splits)
     if best is None:
