@@ -44,8 +44,13 @@ class ResidentExperts:
             return
         b, idx = self._cpu_base, self._ids_cpu
 
+        every = self.ids == tuple(range(self.num_experts))
+
         def sel(t):
-            return None if t is None else t.index_select(0, idx).to(device)
+            if t is None:
+                return None
+            # the index on the weights' device (the rate measurement makes them on the GPU)
+            return (t if every else t.index_select(0, idx.to(t.device))).to(device)
 
         self.weights = ExpertWeights(
             sel(b.gate_up), sel(b.down), sel(b.gate_up_bias), sel(b.down_bias), spec=b.spec

@@ -181,8 +181,9 @@ def measure_gpu_flops(n: int = 8192, device: str = "cuda") -> float:
 
 def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda", rank: int = 8) -> float:
     """The device experts' rate as a run gets it: one layer of resident experts through
-    ``moe/device_experts.py`` (routing split, the LoRA rows' copy to the device and their gradients'
-    copy back, grouped products, autograd), forward + backward, counted with ``pair_flops`` (the
+    ``moe/device_experts.py`` (routing split, the LoRA where a run keeps it -- on the device for an
+    all-device layer of one process, else the rows' copy there and their gradients' copy back --,
+    grouped products, autograd), forward + backward, counted with ``pair_flops`` (the
     cost model adds the recompute's forward at this rate). Every expert of the layer when they fit
     in 4 GiB, else fewer at the same rows per expert."""
     import torch
@@ -190,6 +191,7 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda
     from ..kernels.base import ExpertWeights
     from ..lora.fused import expert_lora_shapes
     from ..moe.device_experts import DeviceExperts
+    from ..moe.patch import lora_home
     from ..moe.resident import ResidentExperts
 
     h, i, k = shape.hidden, shape.inter, shape.top_k
@@ -206,9 +208,12 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda
     base = ExpertWeights(rnd(e, 2 * i, h, scale=h**-0.5), rnd(e, h, i, scale=i**-0.5))
     experts = DeviceExperts(base, ResidentExperts(base, range(e)), None)
     experts.begin(dev)
-    cpu = torch.device("cpu")
+    # where a run keeps this layer's LoRA (every expert on the device: there, ``lora_home``)
+    on_device = lora_home(dev, True) is not None
     lora = [
-        rnd(*sz, scale=0.01, dtype=torch.float32, on=cpu).requires_grad_()
+        rnd(
+            *sz, scale=0.01, dtype=torch.float32, on=dev if on_device else torch.device("cpu")
+        ).requires_grad_()
         for sz in expert_lora_shapes(e, h, i, rank).values()
     ]
     x = rnd(t, h).requires_grad_()
@@ -218,7 +223,7 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda
 
     def run():
         local, _, w = experts.split(ids, weights)
-        experts.start(x, local, w, lora, 2.0)().backward(grad)
+        experts.start(x, local, w, lora, 2.0, on_device)().backward(grad)
 
     return t * k * shape.pair_flops(rank) / _best(run, 3, _sync(device))
 
