@@ -175,9 +175,9 @@ def test_resident_experts_train_like_all_cpu(gpu_rule, gc):
 @pytest.mark.parametrize("split", ["every", "mixed"])
 def test_lora_on_the_device_trains_like_all_cpu(gpu_rule, tmp_path, monkeypatch, split):
     """Expert LoRA living on the training device (``moe/patch.py`` ``lora_home``; the "device" is
-    the CPU here, forced for every layer): with every expert on the device the LoRA rows are used
-    in place (no copy, no host mirror); with CPU experts left (``mixed``) the CPU op reads a host
-    mirror refreshed once per step (the recompute reuses it). Both train like all-CPU, with
+    the CPU here, forced): with every expert on the device the LoRA rows are used in place (no
+    copy, no host mirror); with CPU experts too (``mixed``) the CPU op reads a host mirror
+    refreshed once per step (the recompute reuses it). Both train like all-CPU, with
     checkpointing, within test_resident_experts_train_like_all_cpu's bounds."""
     import kt_ft.moe.patch as patch_mod
 
@@ -207,12 +207,12 @@ def test_lora_on_the_device_trains_like_all_cpu(gpu_rule, tmp_path, monkeypatch,
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
 
 
-def test_lora_home_is_the_gpu_only_for_all_device_layers_of_one_process(monkeypatch):
+def test_lora_home_is_the_gpu_only_for_layers_with_gpu_experts_in_one_process(monkeypatch):
     from kt_ft.moe.patch import lora_home
 
     cuda = torch.device("cuda", 0)
     assert lora_home(cuda, True) == cuda
-    assert lora_home(cuda, False) is None  # CPU experts: the CPU op reads the LoRA where it is
+    assert lora_home(cuda, False) is None  # every expert on the CPU: the LoRA stays beside them
     assert lora_home(torch.device("cpu"), True) is None
     monkeypatch.setenv("WORLD_SIZE", "2")  # expert-LoRA grads are averaged over gloo on the CPU
     assert lora_home(cuda, True) is None
@@ -424,7 +424,12 @@ def test_resident_experts_on_cuda_train_like_all_cpu(gpu_rule, gc):
     got = train(res_model, batches(), 4, gc, "cuda")
     layers = kt_layers(res_model)
     assert all(m.resident.device.type == "cuda" for m in layers)
-    assert all(p.device.type == "cpu" for m in layers for p in m.parameters())  # CPU experts: LoRA there
+    # the base weights stay on the CPU; the LoRA of a layer with GPU experts lives on the GPU and
+    # the CPU op reads its pinned mirror, refreshed once a step (4 steps)
+    assert all(p.device.type == "cpu" for m in layers for p in m.base_parameters())
+    assert all(p.device.type == "cuda" for m in layers for p in m.lora_tensors())
+    assert [m.host_lora_copies for m in layers] == [4, 4]
+    assert all(t.is_pinned() for m in layers for t in m._host_lora)
     assert [m.runner.forward_calls for m in layers] == [4, 4]
     # every CPU-op input and incoming gradient copy was started before the resident experts' work
     # (3 inputs per layer per forward, x2 with checkpointing's recompute, + 1 gradient per backward)

@@ -70,10 +70,9 @@ class KTExperts(nn.Module):
         at the first forward (to hidden_states' device), or at once to ``resident_device`` if given.
         ``stream_ids``: experts streamed to that device each time the layer runs (``streamed.py``)
         through ``scheduler``, the model's one (a scheduler of its own when None).
-        ``lora_device``: where the six expert-LoRA parameters live (None: the CPU). The training
-        device pays off for a layer whose experts are all resident or streamed: no per-step copy of
-        the LoRA rows there and of their gradients back, and the optimizer steps them on the GPU
-        (``moe/patch.py`` decides). Any split still works: the CPU op then gets a host mirror."""
+        ``lora_device``: where the six expert-LoRA parameters live (None: the CPU); the training GPU
+        for a layer with resident or streamed experts (``moe/patch.py`` ``lora_home`` says why),
+        the CPU op then reading a host mirror (``host_lora``)."""
         super().__init__()
         names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
         for name in names:  # HF's frozen parameters, kept under their names (biases: gpt_oss only)
@@ -208,8 +207,9 @@ class KTExperts(nn.Module):
         refreshed in place (so backends that key caches on storage and version see the change) when
         the parameters changed, reused by a checkpointed recompute."""
         key = tuple((p._version, p.data_ptr()) for p in params)
-        if self._host_lora is None:
-            self._host_lora = [torch.empty(p.shape, dtype=p.dtype) for p in params]
+        if self._host_lora is None:  # pinned: the copy from the GPU runs at the link's full rate
+            pin = params[0].device.type == "cuda"
+            self._host_lora = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
         if self._host_key != key:
             for h, p in zip(self._host_lora, params):
                 h.copy_(p.detach())

@@ -48,7 +48,7 @@ class KTSummary:
                 else ""
             )
             + (
-                f"; expert LoRA of {len(self.lora_on_device)} layers (every expert there on the GPU) on "
+                f"; expert LoRA of {len(self.lora_on_device)} layers (those with experts on the GPU) on "
                 f"{self.default_device}"
                 if self.lora_on_device
                 else ""
@@ -56,16 +56,19 @@ class KTSummary:
         )
 
 
-def lora_home(training_device: torch.device, all_on_device: bool) -> torch.device | None:
-    """Where a layer's expert LoRA lives (None: the CPU). The training GPU when every expert of the
-    layer is resident or streamed and this is a single process: the LoRA rows and their gradients
-    then cross no link each step and the optimizer steps them on the GPU (~35 MB of fp32 LoRA a
-    Qwen3-30B-A3B layer, 4x that with gradients and AdamW moments, on the GPU; a CPU AdamW over the
-    same values costs tens of ms a layer). Several processes keep it on the CPU: their expert-LoRA
-    gradients are averaged over gloo (``distributed.py``)."""
+def lora_home(training_device: torch.device, on_device: bool) -> torch.device | None:
+    """Where a layer's expert LoRA lives (None: the CPU). The training GPU when some expert of the
+    layer is resident or streamed (``on_device``) and this is a single process: the optimizer then
+    steps it on the GPU, and only the CPU op's share crosses the link (a pinned host mirror of the
+    LoRA and the CPU experts' gradients back: ``experts.py`` ``_LoraToHost``). Kept on the CPU, a
+    Qwen3-30B-A3B layer's ~35 MB of fp32 LoRA would cross twice a step for the device experts and
+    be stepped by a CPU AdamW (tens of ms a layer on the GPU machine). Cost: the LoRA, its gradient
+    and AdamW moments on the GPU (16 bytes a parameter: ~138 MB for that layer), which the planner
+    and ``rules plan`` count. All-CPU layers and several processes (expert-LoRA gradients averaged
+    over gloo, ``distributed.py``) keep it on the CPU."""
     from ..distributed import topology
 
-    if not all_on_device or training_device.type != "cuda":
+    if not on_device or training_device.type != "cuda":
         return None
     if topology().distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None
@@ -145,7 +148,7 @@ def replace_routed_experts(
             resident_ids=ids,
             stream_ids=stream_ids,
             scheduler=scheduler,
-            lora_device=lora_home(plan.default_device, len(ids) + len(stream_ids) == num),
+            lora_device=lora_home(plan.default_device, bool(ids or stream_ids)),
         )
         setattr(parent, child, kt)
         if overlap_shared:

@@ -156,8 +156,8 @@ def plan_auto(
         allow_stream=stream,
         nonexpert_flops=model_non_expert_flops(model, plan, sizes),
         layer_scale=layer_scale,
-        # all-GPU layers keep their expert LoRA + AdamW state there (16 bytes a parameter)
-        lora_state_bytes=TRAIN_STATE_BYTES if lora_home(torch.device("cuda"), True) is not None else 0,
+        # layers with GPU experts keep their expert LoRA + AdamW state there (16 bytes a parameter)
+        lora_state_bytes=TRAIN_STATE_BYTES if lora_home(plan.default_device, True) is not None else 0,
     )
     for e, split in zip(autos, choice.splits, strict=True):
         e.gpu_experts = GpuExpertSpec(None, split.resident, None) if split.resident else None

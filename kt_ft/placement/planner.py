@@ -120,10 +120,10 @@ def choose_splits(
     ``layer_scale``: real layers each of ``inputs`` stands for (the bench plans a few layers of a
     model under the full model's budget): resident weights count that many times, the stream
     buffers and the activation reserve (one or two layers whatever the depth) once.
-    ``lora_state_bytes``: GPU bytes per expert-LoRA parameter of a layer whose experts all end on
-    the GPU (its LoRA and optimizer state move there: ``moe/patch.py`` ``lora_home``; 0: they
-    stay on the CPU); such layers' LoRA counts against the budget (scaled like resident weights),
-    taking resident experts back until it fits.
+    ``lora_state_bytes``: GPU bytes per expert-LoRA parameter of a layer with experts on the GPU
+    (its LoRA and optimizer state move there: ``moe/patch.py`` ``lora_home``; 0: they stay on the
+    CPU); such layers' LoRA counts against the budget (scaled like resident weights), taking
+    resident experts back until it fits.
     """
     notes: list[str] = []
     pops = [i.popularity for i in inputs]
@@ -187,7 +187,7 @@ def choose_splits(
             ids = ranked[i][0]
             splits.append(LayerSplit(tuple(sorted(ids[:r])), tuple(sorted(ids[r : r + s]))))
             step += t
-            if r + s == inp.shape.num_experts:
+            if r + s:
                 moved += lora_bytes[i]
         return step, splits, moved
 
@@ -199,8 +199,8 @@ def choose_splits(
         n_res = bisect.bisect_right(cum, left) - 1  # resident experts that fit, in the global order
         step, splits, moved = evaluate(n_res, cap_s)
         if cum[n_res] + moved > left:
-            # the LoRA of all-GPU layers does not fit beside them: the most resident experts that
-            # fit with it (binary search; moved LoRA grows with the resident count)
+            # the LoRA of the layers with GPU experts does not fit beside them: the most resident
+            # experts that fit with it (binary search; moved LoRA grows with the resident count)
             lo, hi = 0, n_res - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2

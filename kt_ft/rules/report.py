@@ -12,9 +12,9 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
   outside ``lm_head`` and the routed experts gets r x (in + out) parameters.
 * expert LoRA: per MoE layer gate + up + down = 2·E·r·(H + I) + E·r·(I + H) = 3·E·r·(H + I).
 * training state of a trainable parameter: 16 bytes (fp32 weight, fp32 grad, AdamW's two fp32
-  moments), on the device of the parameter (expert LoRA on the CPU, except a layer's whose
-  experts are all resident or streamed in a single process: on the training GPU,
-  ``moe/patch.py`` ``lora_home``).
+  moments), on the device of the parameter (expert LoRA on the CPU, except a layer's with
+  resident or streamed experts in a single process: on the training GPU, ``moe/patch.py``
+  ``lora_home``).
 * GPU activations, gradient checkpointing on (LLaMA-Factory's default), B = batch, S = cutoff_len,
   a = bytes per activation value (2 for 16-bit weights, else 4):
   L·B·S·H·a (each decoder layer's checkpointed input) + 17·B·S·H·a (one layer recomputed
@@ -184,8 +184,8 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
             gpu_expert_act = max(gpu_expert_act, tokens * k * (3 * inter + hidden) * 4)
         n = 3 * num * sizes.lora_rank * (hidden + inter)
         lora["expert_params"] += n
-        # every expert of the layer on the GPU: its LoRA (and optimizer state) lives there too
-        home = lora_home(torch.device(train_dev), on_gpu + streamed == num) if train_dev != "cpu" else None
+        # experts of the layer on the GPU: its LoRA (and optimizer state) lives there too
+        home = lora_home(torch.device(train_dev), on_gpu + streamed > 0) if train_dev != "cpu" else None
         dev(train_dev if home is not None else "cpu")["lora_params"] += n
     for name, m in model.named_modules():
         if "Linear" not in type(m).__name__ or "Embedding" in type(m).__name__ or "lm_head" in name:
