@@ -125,18 +125,24 @@ def run_placement(
     timeout_s: int = 900,
     all_gpu: bool = True,
     kt_kernel: bool = False,
+    placements: tuple[str, ...] | list[str] = PLACEMENTS,
 ) -> list[StepRecord]:
     """Every placement system at every cap (module doc), each in a subprocess; failures printed.
     ``all_gpu``: False leaves out the transformers + PEFT run (``--systems`` without peft-gpu);
-    ``kt_kernel``: add the all-CPU run with kt-kernel's kernel (when ``backend`` is another)."""
+    ``kt_kernel``: add the all-CPU run with kt-kernel's kernel (when ``backend`` is another);
+    ``placements``: the kt-ft placements to run (``PLACEMENTS`` by default)."""
     from tqdm import tqdm
 
     n_layers = layers or min(MODEL_CONFIGS[preset][1]["num_hidden_layers"], 4)
-    jobs: list[tuple[str, str | None, float | None, str]] = [("kt-ft", "cpu", None, backend)]
-    if kt_kernel and backend != "kt-kernel":
-        jobs.append(("kt-ft", "cpu", None, "kt-kernel"))
-    jobs += [("kt-ft", "auto", c, backend) for c in caps]
-    jobs.append(("kt-ft", "stream", None, backend))
+    jobs: list[tuple[str, str | None, float | None, str]] = []
+    if "cpu" in placements:
+        jobs.append(("kt-ft", "cpu", None, backend))
+        if kt_kernel and backend != "kt-kernel":
+            jobs.append(("kt-ft", "cpu", None, "kt-kernel"))
+    if "auto" in placements:
+        jobs += [("kt-ft", "auto", c, backend) for c in caps]
+    if "stream" in placements:
+        jobs.append(("kt-ft", "stream", None, backend))
     if all_gpu:
         jobs.append(("peft-gpu", None, None, backend))
     records: list[StepRecord] = []

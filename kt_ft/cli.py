@@ -148,6 +148,12 @@ def _bench(args: argparse.Namespace) -> int:
         raise KTConfigError(
             f"--caps {args.caps!r}: expected comma-separated positive GiB, e.g. 8,16,24,40,80"
         )
+    placements = args.placements.split(",")
+    for pl in placements:
+        if pl not in ("cpu", "auto", "stream"):
+            raise KTConfigError(
+                f"--placements {args.placements!r}: {pl!r} is unknown; valid choices: cpu, auto, stream"
+            )
     systems = args.systems.split(",")
     for s in systems:
         if s not in SYSTEMS:
@@ -171,7 +177,8 @@ def _bench(args: argparse.Namespace) -> int:
         layers = [int(v) for v in args.layers.split(",")] if args.layers else [None]
         step_backends = [b for b in backends if b != "reference"] or ["auto"]
         placed = run_placement(args.preset, layers[-1], args.seq, caps, step_backends[0], args.threads, args.steps,
-                               all_gpu="peft-gpu" in systems, kt_kernel="kt-kernel" in step_backends)  # fmt: skip
+                               all_gpu="peft-gpu" in systems, kt_kernel="kt-kernel" in step_backends,
+                               placements=placements)  # fmt: skip
         records += placed
         if args.plot and placed:
             plot_placement(placed, args.plot)
@@ -235,6 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers", default=None, help="decoder layers in the full step, comma-separated counts (default 4)"
     )
     bench.add_argument("--seq", type=int, default=2048, help="tokens per full training step")
+    bench.add_argument(
+        "--placements",
+        default="cpu,auto,stream",
+        help="placement part: kt-ft placements to run, comma-separated: cpu (every expert on the CPU, "
+        "plus kt-kernel's where it runs), auto (at each cap), stream (every expert streamed)",
+    )
     bench.add_argument(
         "--caps",
         default=",".join(f"{c:g}" for c in (8, 16, 24, 40, 80)),
