@@ -43,6 +43,7 @@ class Placement:
         self.kind, self.preset, self.cap_gib = kind, preset, cap_gib
         self.threads, self.backend, self.budget = threads, backend, budget
         self.predicted_s: float | None = None
+        self.ctx = None  # placement: auto's context (``placement/runtime.py``), for the run's re-plans
         self._tmp = tempfile.TemporaryDirectory(prefix="kt-ft-placement-")
 
     def rule_file(self, family) -> Path:
@@ -81,15 +82,19 @@ class Placement:
         if self.kind == "auto":
             real = MODEL_CONFIGS[self.preset][1]["num_hidden_layers"]
             scale = real / model.config.get_text_config().num_hidden_layers
-            _, choice = auto_at_start(
+            self.ctx, choice = auto_at_start(
                 model, plan, sizes, rates=rates, expert_budget_bytes=self.budget, layer_scale=scale
             )
             self.predicted_s = choice.prediction.step_s
-            counts = [s.counts(shape.num_experts) for s in choice.splits]
-            split = ", ".join(f"L{e.layer} {r}/{s}/{c}" for e, (r, s, c) in zip(plan.experts, counts))
-            return f"resident/streamed/CPU {split}"
+            return f"resident/streamed/CPU {split_text(choice, shape.num_experts)}"
         self.predicted_s = predict_plan(model, plan, dtype, sizes, rates).step_s
         return f"every expert {'streamed' if self.kind == 'stream' else 'on the CPU'}"
+
+
+def split_text(choice, num_experts: int) -> str:
+    """'L0 128/0/0, L1 7/112/9, ...': resident/streamed/CPU experts per layer of a planner choice."""
+    counts = [s.counts(num_experts) for s in choice.splits]
+    return ", ".join(f"L{layer} {r}/{s}/{c}" for layer, (r, s, c) in zip(choice.layers, counts))
 
 
 def expert_budget(preset: str, cap_gib: float, seq: int) -> int:

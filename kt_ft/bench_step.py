@@ -325,8 +325,16 @@ def worker(args: argparse.Namespace) -> StepRecord:
     from .moe.experts import KTExperts
 
     runners = [m.runner for m in model.modules() if isinstance(m, KTExperts)]
+    replanner, warmup = None, args.warmup
+    if placement is not None and placement.ctx is not None and placement.ctx.rates.has_gpu:
+        # as a run does (``placement/runtime.py``): after a few steps the CPU op's rate in the run
+        # replaces the measured one when they differ; those steps are warm-up, plus one for a new split
+        from .placement.runtime import CALIBRATE_AFTER, Replanner
+
+        replanner = Replanner(placement.ctx, every=0, threshold=1.0)
+        warmup = max(args.warmup, CALIBRATE_AFTER + 1)
     times, losses, busy = [], [], []
-    for _ in range(args.warmup + args.steps):
+    for step in range(warmup + args.steps):
         busy0 = sum(r.busy_s for r in runners)
         if cuda:
             torch.cuda.synchronize()
@@ -335,7 +343,13 @@ def worker(args: argparse.Namespace) -> StepRecord:
         times.append(time.perf_counter() - t0)
         busy.append(sum(r.busy_s for r in runners) - busy0)
         losses.append(float(loss))
-    best = min(times[args.warmup :])
+        if replanner is not None and replanner.step(step + 1):
+            from .bench_placement import split_text
+
+            choice = replanner.last_choice
+            placement.predicted_s = choice.prediction.step_s
+            note += f"; re-planned with the CPU op's rate in this run: {split_text(choice, runners[0].base.num_experts)}"
+    best = min(times[warmup:])
     prof_dir = os.environ.get("KT_FT_BENCH_PROFILE")
     if prof_dir:  # one more step under the profiler: where the time goes (not part of the figures)
         stem = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{name}-{args.gpu_cap_gib or 0:g}")

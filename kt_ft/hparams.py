@@ -119,7 +119,8 @@ class KTArguments:
         default=0,
         metadata={
             "help": "kt-ft placement: auto: every this many optimizer steps, compare each layer's routing counts "
-            "with those of the last plan and re-plan the GPU-resident experts when they drifted (0: never)."
+            "with those of the last plan and re-plan the GPU-resident experts when they drifted (0: never; the "
+            "one check of the CPU op's rate after 3 steps happens either way)."
         },
     )
     kt_replan_threshold: float = field(

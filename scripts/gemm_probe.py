@@ -51,11 +51,23 @@ for m in (32, 256):
     row("bwd dx fp32: dgu.float() @ Wgu.float()", t(lambda: torch.mm(gu.float(), Wgu.float()), 5), f_gu)
     try:
         pk = torch.ops.mkldnn._reorder_linear_weight(Wgu, m)
-        row("fwd gu prepacked", t(lambda: torch.ops.mkldnn._linear_pointwise(x, pk, None, "none", [], "")), f_gu)
+        row(
+            "fwd gu prepacked",
+            t(lambda: torch.ops.mkldnn._linear_pointwise(x, pk, None, "none", [], "")),
+            f_gu,
+        )
         pkT = torch.ops.mkldnn._reorder_linear_weight(WguT, m)
-        row("bwd dx prepacked (of WguT)", t(lambda: torch.ops.mkldnn._linear_pointwise(gu, pkT, None, "none", [], "")), f_gu)
+        row(
+            "bwd dx prepacked (of WguT)",
+            t(lambda: torch.ops.mkldnn._linear_pointwise(gu, pkT, None, "none", [], "")),
+            f_gu,
+        )
         pkd = torch.ops.mkldnn._reorder_linear_weight(Wd, m)
-        row("fwd d prepacked", t(lambda: torch.ops.mkldnn._linear_pointwise(h, pkd, None, "none", [], "")), f_d)
+        row(
+            "fwd d prepacked",
+            t(lambda: torch.ops.mkldnn._linear_pointwise(h, pkd, None, "none", [], "")),
+            f_d,
+        )
     except RuntimeError as e:
         print("prepack unavailable:", e)
     # LoRA-sized products
@@ -82,5 +94,9 @@ acc = torch.zeros(T, H)
 row("index_add_ fp32 [N,H]->[T,H]", t(lambda: acc.index_add_(0, idx, big.float()), 5), 1e-9)
 row("index_add_ bf16->fp32 via .float()", t(lambda: big.float(), 5), 1e-9)
 gu_big = torch.randn(N, 2 * I, dtype=bf)
-row("silu(g)*u in fp32 [N,I]", t(lambda: (F.silu(gu_big[:, :I].float()) * gu_big[:, I:].float()).to(bf), 5), 1e-9)
+row(
+    "silu(g)*u in fp32 [N,I]",
+    t(lambda: (F.silu(gu_big[:, :I].float()) * gu_big[:, I:].float()).to(bf), 5),
+    1e-9,
+)
 row("silu(g)*u in bf16 [N,I]", t(lambda: F.silu(gu_big[:, :I]) * gu_big[:, I:], 5), 1e-9)

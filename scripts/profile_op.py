@@ -41,7 +41,9 @@ def step():
 step()
 t0 = time.perf_counter()
 tb = step()
-print(f"{a.backend} {a.tokens} tokens: fwd+bwd {1e3 * (time.perf_counter() - t0):.1f} ms (bwd {1e3 * tb:.1f} ms)")
+print(
+    f"{a.backend} {a.tokens} tokens: fwd+bwd {1e3 * (time.perf_counter() - t0):.1f} ms (bwd {1e3 * tb:.1f} ms)"
+)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
     step()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
@@ -51,7 +53,9 @@ known = {p.hidden, p.inter, 2 * p.inter, 8, 16}
 by_kind: dict[str, list[float]] = {}
 for ev in prof.events():
     if ev.name == "aten::mm" and ev.input_shapes:
-        kind = " x ".join("[" + ",".join(str(d) if d in known else "n" for d in s) + "]" for s in ev.input_shapes[:2])
+        kind = " x ".join(
+            "[" + ",".join(str(d) if d in known else "n" for d in s) + "]" for s in ev.input_shapes[:2]
+        )
         by_kind.setdefault(kind, []).append(ev.cpu_time_total / 1e3)
 print(f"{'aten::mm kind':<40}{'calls':>7}{'total ms':>10}{'avg ms':>9}")
 for kind, ts in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):

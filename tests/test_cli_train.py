@@ -129,3 +129,23 @@ def test_llamafactory_cli_trains_each_family(family, tmp_path):
         json.loads(x)["loss"] for x in (out / "trainer_log.jsonl").read_text().splitlines() if '"loss"' in x
     ]
     assert len(losses) == 4 and all(map(math.isfinite, losses))
+
+
+@pytest.mark.slow
+def test_placement_auto_through_llamafactory(demo_assets, tmp_path):
+    """A recipe whose rule says `placement: auto` trains through `llamafactory-cli train` (the
+    planner at load, the run's re-planner and its CPU-rate check each step); on a machine without
+    CUDA there is no link or GPU rate, so every expert stays on the CPU, and the log says so."""
+    rule = tmp_path / "auto.yaml"
+    rule.write_text(
+        "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch, placement: auto}\n"
+        "- include: qwen3_moe\n"
+    )
+    out = tmp_path / "out"
+    log = train_cli(
+        demo_assets, out, f"kt_optimize_rule={rule}", "max_steps=4", "save_steps=4", "logging_steps=1"
+    )
+    assert "placement: auto for 2 MoE layers" in log, log[-3000:]
+    if not torch.cuda.is_available():
+        assert "every routed expert on the CPU" in log, log[-3000:]
+    assert (out / "fused_expert_lora.safetensors").is_file()

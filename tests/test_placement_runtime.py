@@ -136,3 +136,50 @@ def test_prediction_sees_the_streamed_experts_the_run_streams(tmp_path, stream, 
     plan = make_plan(model, load_rules(rule), FAMILIES["qwen3_moe"], "torch", 2)
     splits = current_splits(model, plan)
     assert [(s.resident, s.streamed) for s in splits] == [((0, 1), want)] * len(plan.experts)
+
+
+def test_cpu_rate_of_the_run_replaces_the_planned_one(tmp_path):
+    """``Replanner.calibrate``: the CPU op's busy time and pairs between step 1 (the warm-up's end)
+    and step 3 give its rate in the run (FLOPs counted as the cost model counts them); off by more
+    than 1.25x from the planned rate, it replaces it and the planner runs again; within, nothing
+    happens; at most MAX_CALIBRATIONS replacements. Counters set by hand: no timing in the test."""
+    from kt_ft.placement.cost import LayerShape
+    from kt_ft.placement.runtime import CALIBRATE_AFTER, MAX_CALIBRATIONS
+
+    model, ctx, _ = auto_model(tmp_path, 3)
+    rp = Replanner(ctx, every=0, threshold=0.1)
+    calls = []
+    rp.replan = lambda counts, drift=0, reason=None: calls.append(reason) or True
+    runners = [m.runner for m in kt_layers(model)]
+    pair = LayerShape(8, 64, 32, 1).pair_flops(RANK)
+
+    def run(pairs, seconds):  # what a step's CPU op did, per layer
+        for r in runners:
+            r.pairs_done += pairs
+            r.busy_s += seconds
+
+    run(100, 5.0)  # the warm-up step: not counted
+    assert not rp.step(1)
+    run(1000, 2 * 1000 * pair / ctx.rates.cpu_flops)  # half the planned rate
+    assert not rp.step(2)
+    assert rp.step(CALIBRATE_AFTER) and calls == ["the CPU op's rate in this run"]
+    assert ctx.rates.cpu_flops == pytest.approx(FAST_GPU.cpu_flops / 2)
+    assert ctx.rates.source["cpu_flops"] == "this run" and rp.calibrations == 1
+    # within the tolerance: no re-plan (a check step of kt_replan_steps also calibrates)
+    rp.every = 2
+    run(1000, 1.1 * 1000 * pair / ctx.rates.cpu_flops)
+    for m in kt_layers(model):
+        m.routing_counts = None  # no routing drift either
+    assert not rp.step(4) and len(calls) == 1
+    # no more than MAX_CALIBRATIONS replacements
+    for step in (6, 8, 10):
+        run(1000, 10 * 1000 * pair / ctx.rates.cpu_flops)
+        rp.step(step)
+    assert rp.calibrations == MAX_CALIBRATIONS == len(calls)
+    # no CPU pairs (every expert on the GPU): nothing to learn
+    rp2 = Replanner(ctx, every=0, threshold=0.1)
+    rp2.replan = lambda *a, **k: calls.append("again") or True
+    rp2.step(1)
+    for r in runners:
+        r.busy_s += 1.0
+    assert not rp2.step(CALIBRATE_AFTER)

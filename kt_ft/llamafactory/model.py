@@ -151,10 +151,14 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     summary = replace_routed_experts(
         model, plan, rank, lora_scaling(rank, alpha, use_rslora), model_args.chunk_size
     )
-    if auto is not None and is_trainable and getattr(model_args, "kt_replan_steps", 0):
+    if auto is not None and is_trainable:
+        # kt_replan_steps 0: no re-planning from routing counts, only the one check of the CPU
+        # op's rate after a few steps (``Replanner.calibrate``)
         from ..placement.runtime import Replanner
 
-        model._kt_ft_replanner = Replanner(auto, model_args.kt_replan_steps, model_args.kt_replan_threshold)
+        model._kt_ft_replanner = Replanner(
+            auto, getattr(model_args, "kt_replan_steps", 0), getattr(model_args, "kt_replan_threshold", 0.1)
+        )
     info = KTAdapterInfo(
         base_model=str(model_args.model_name_or_path),
         base_config_sha256=base_config_sha256(model_args.model_name_or_path),

@@ -86,6 +86,7 @@ class ExpertRunner:
         self.forward_calls = 0  # backend forwards run (a test checks checkpointing adds none)
         self.stash_hits = 0
         self.busy_s = 0.0  # wall time inside the backend (forward + backward), for benchmarks
+        self.pairs_done = 0  # (token, slot) pairs the forwards computed (masked ones not counted)
         # this layer's pinned input buffers: a stash (and kt-kernel's context) keeps the inputs
         # until this layer's backward, so they cannot share buffers with other layers
         self.key = f"layer{next(_RUNNER_IDS)}"
@@ -149,6 +150,7 @@ class ExpertRunner:
     def forward(self, x, ids, weights, lora: LoraTensors, needs_grad: bool):
         """x [T, H], ids [T, k], weights [T, k], all on the CPU -> (out [T, H] float32, ctxs)."""
         self.forward_calls += 1
+        self.pairs_done += int((ids >= 0).sum())  # the CPU ids: no device sync
         t0 = time.perf_counter()
         outs, ctxs = [], []
         with torch_threads(self.threads):

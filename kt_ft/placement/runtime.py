@@ -14,10 +14,17 @@ when some layer's distribution moved by more than ``kt_replan_threshold`` (total
 distance) from the one the current split was planned with, the planner runs again with the
 counts and each layer's resident and streamed experts are re-assigned
 (``KTExperts.set_placement``, between two steps).
+
+Calibration (``Replanner.calibrate``, in every ``placement: auto`` run, ``kt_replan_steps`` or
+not): the CPU op's time and pairs from the end of step 1 to the end of step ``CALIBRATE_AFTER``
+give its rate in this run; off by more than ``CALIBRATE_TOLERANCE`` from the rate the split was
+planned with, it replaces it and the planner runs again (also at later re-plan checks, at most
+``MAX_CALIBRATIONS`` times a run).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +34,7 @@ from ..log import get_logger
 from ..rules.plan import PlacementPlan
 from ..rules.report import TrainSizes
 from .auto import auto_layers, format_placement, layer_shape, placement_section, plan_auto
-from .cost import Rates
+from .cost import LayerShape, Rates
 from .measure import describe, machine_rates
 from .planner import Choice
 
@@ -51,6 +58,8 @@ class AutoContext:
     sizes: TrainSizes
     rates: Rates
     cap_bytes: int | None
+    expert_budget_bytes: int | None = None  # the bench's budget for the experts (instead of cap_bytes)
+    layer_scale: float = 1.0
 
 
 def auto_at_start(
@@ -104,7 +113,7 @@ def auto_at_start(
         f"placement: auto for {len(autos)} MoE layers, {tokens} tokens a micro-batch:"
         + format_placement(section)
     )
-    return AutoContext(model, plan, dtype, sizes, rates, cap), choice
+    return AutoContext(model, plan, dtype, sizes, rates, cap, expert_budget_bytes, layer_scale), choice
 
 
 def tv_distance(p: Sequence[float], q: Sequence[float]) -> float:
@@ -118,14 +127,25 @@ def tv_distance(p: Sequence[float], q: Sequence[float]) -> float:
     return 0.5 * sum(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
+CALIBRATE_AFTER = 3  # optimizer steps before the first calibration (the first: warm-up, not counted)
+CALIBRATE_TOLERANCE = 1.25  # re-plan when the CPU op's rate in the run is off by more than this factor
+MAX_CALIBRATIONS = 2  # CPU rate replacements per run (its rate differs with the CPU's share: no ping-pong)
+
+
 class Replanner:
-    """Re-plans the resident experts of the auto layers when routing drifts (module doc)."""
+    """Re-plans the resident experts of the auto layers when routing drifts, and once the CPU op's
+    rate in this run is known (module doc)."""
 
     def __init__(self, ctx: AutoContext, every: int, threshold: float) -> None:
         self.ctx, self.every, self.threshold = ctx, every, threshold
         self.modules = self._modules()
         self.planned_with: dict[int, list[float]] = {}  # layer -> counts of the current split (none: uniform)
         self.replans = 0
+        self.calibrations = 0
+        self.last_choice: Choice | None = None  # the latest re-plan's choice
+        self._cpu_mark: tuple[float, int, float] | None = (
+            None  # (busy_s, pairs, pair-weighted FLOPs) at the mark
+        )
         # without link / GPU rates every expert stays on the CPU whatever the counts: count nothing
         self.active = ctx.rates.has_gpu
         for m in self.modules.values():
@@ -151,10 +171,64 @@ class Replanner:
                 out[layer] = [float(x) for x in c.cpu().tolist()]
         return out
 
+    def _cpu_totals(self) -> tuple[float, int, float]:
+        """(seconds in the CPU op, pairs it computed, their FLOPs) summed over the auto layers."""
+        busy, pairs, flops = 0.0, 0, 0.0
+        for m in self.modules.values():
+            r = m.runner
+            busy += r.busy_s
+            pairs += r.pairs_done
+            flops += r.pairs_done * LayerShape(m.num_experts, m.hidden_dim, m.intermediate_dim, 1).pair_flops(
+                self.ctx.sizes.lora_rank
+            )
+        return busy, pairs, flops
+
+    def calibrate(self) -> bool:
+        """Compare the CPU op's rate since the last mark (``mark_cpu``) with the rate the split was
+        planned with; when off by more than ``CALIBRATE_TOLERANCE`` either way, plan again with the
+        run's own rate (at most ``MAX_CALIBRATIONS`` times). Returns True when the split changed.
+
+        Why: the planner's CPU rate is a few seconds' measurement of the op alone; inside a step
+        the op ran 1.25-1.5x slower on the GPU machine (a 4-layer Qwen3-30B-A3B step with 9-10 CPU
+        experts a layer: 60 ms a layer measured, 41 predicted), enough to leave experts on the CPU
+        in layers where streaming them was faster."""
+        if self._cpu_mark is None or self.calibrations >= MAX_CALIBRATIONS or not self.active:
+            self.mark_cpu()
+            return False
+        busy0, pairs0, flops0 = self._cpu_mark
+        busy, pairs, flops = self._cpu_totals()
+        self.mark_cpu()
+        rates = self.ctx.rates
+        if pairs - pairs0 <= 0 or busy - busy0 <= 0 or not rates.cpu_flops:
+            return False  # no CPU pairs since the mark: nothing to learn
+        in_run = (flops - flops0) / (busy - busy0)
+        ratio = in_run / rates.cpu_flops
+        if 1 / CALIBRATE_TOLERANCE <= ratio <= CALIBRATE_TOLERANCE:
+            return False
+        self.calibrations += 1
+        self.ctx.rates = dataclasses.replace(
+            rates, cpu_flops=in_run, source={**rates.source, "cpu_flops": "this run"}
+        )
+        logger.info(
+            f"placement: auto: the CPU op ran at {in_run / 1e12:.3g} TFLOP/s in this run, "
+            f"{ratio:.2f}x the {rates.cpu_flops / 1e12:.3g} planned with: planning again with it"
+        )
+        return self.replan(dict(self.planned_with), reason="the CPU op's rate in this run")
+
+    def mark_cpu(self) -> None:
+        """Start a new window for ``calibrate``."""
+        self._cpu_mark = self._cpu_totals()
+
     def step(self, global_step: int) -> bool:
         """Called after each optimizer step; returns True when the split changed."""
+        if self.active and global_step == 1:
+            self.mark_cpu()  # the first step warms up (allocations, page faults): not counted
+        if self.active and global_step == CALIBRATE_AFTER and self.calibrate():
+            return True
         if not self.active or self.every <= 0 or global_step % self.every:
             return False
+        if global_step > CALIBRATE_AFTER and self.calibrate():
+            return True
         counts = self.take_counts()
         if not counts:
             return False
@@ -165,11 +239,24 @@ class Replanner:
             return False
         return self.replan(counts, drift)
 
-    def replan(self, counts: dict[int, list[float]], drift: float = float("nan")) -> bool:
-        """Plan again with ``counts`` as popularity and move each layer's resident experts."""
+    def replan(
+        self, counts: dict[int, list[float]], drift: float = float("nan"), reason: str | None = None
+    ) -> bool:
+        """Plan again with ``counts`` as popularity (a layer without: uniform) and move each layer's
+        resident and streamed experts."""
         ctx = self.ctx
         before = {e.layer: (e.gpu_experts, e.stream_experts) for e in auto_layers(ctx.plan)}
-        plan_auto(ctx.model, ctx.plan, ctx.dtype, ctx.sizes, ctx.rates, ctx.cap_bytes, popularity=counts)
+        self.last_choice = plan_auto(
+            ctx.model,
+            ctx.plan,
+            ctx.dtype,
+            ctx.sizes,
+            ctx.rates,
+            ctx.cap_bytes,
+            popularity=counts,
+            expert_budget_bytes=ctx.expert_budget_bytes,
+            layer_scale=ctx.layer_scale,
+        )
         changed = 0
         for e in auto_layers(ctx.plan):
             m = self.modules.get(e.layer)
@@ -181,8 +268,8 @@ class Replanner:
             changed += 1
         self.planned_with.update(counts)
         self.replans += 1
+        why = reason or f"routing counts (largest drift {drift:.3f} > {self.threshold})"
         logger.info(
-            f"placement: auto re-planned from routing counts (largest drift {drift:.3f} > {self.threshold}): "
-            f"resident / streamed experts changed on {changed} layers"
+            f"placement: auto re-planned from {why}: resident / streamed experts changed on {changed} layers"
         )
         return changed > 0
