@@ -42,7 +42,9 @@ from pathlib import Path
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LORA_RANK, LORA_ALPHA = 8, 16
-SYSTEMS = ("kt-ft", "peft-gpu", "offload")
+SYSTEMS = ("kt-ft", "peft-gpu", "offload")  # a worker's --system
+# the step part's --systems: also kt-ft with every expert streamed (a kt-ft worker, --placement stream)
+STEP_SYSTEMS = ("kt-ft", "kt-ft-stream", "peft-gpu", "offload")
 
 # (transformers model_type, config of the real model with `num_hidden_layers` = the real count)
 MODEL_CONFIGS: dict[str, tuple[str, dict]] = {
@@ -371,8 +373,8 @@ def worker(args: argparse.Namespace) -> StepRecord:
         losses=losses,
         note=note,
     )
-    if placement is not None:
-        rec.kind, rec.predicted_s = "placement", placement.predicted_s
+    if placement is not None:  # (the placement part marks its records "placement" itself)
+        rec.predicted_s = placement.predicted_s
         rec.cap_gib = args.gpu_cap_gib if args.expert_budget is not None else None
     return rec
 
@@ -399,9 +401,11 @@ def run_step(
         if s == "offload" and not cuda:
             print("skipping offload: accelerate CPU offload needs a CUDA GPU")
         elif s == "kt-ft":
-            jobs.extend(("kt-ft", b) for b in backends)
+            jobs.extend(("kt-ft", b, None) for b in backends)
+        elif s == "kt-ft-stream":  # every expert streamed: the CPU backend does not matter
+            jobs.append(("kt-ft", backends[0] if backends else "auto", "stream"))
         else:
-            jobs.append((s, ""))
+            jobs.append((s, "", None))
     records: list[StepRecord] = []
     for n_layers in layers:
         records += _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeout_s)
@@ -439,12 +443,16 @@ def _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeo
     records: list[StepRecord] = []
     with tempfile.TemporaryDirectory(prefix="kt-ft-bench-") as tmp:
         model_dir, share = build_model_dir(preset, n_layers, Path(tmp) / "model")
-        for system, backend in tqdm(jobs, desc=f"step bench {preset} x{n_layers} layers", unit="system"):
-            out = Path(tmp) / f"{system}-{backend}.json"
+        for system, backend, placement in tqdm(
+            jobs, desc=f"step bench {preset} x{n_layers} layers", unit="system"
+        ):
+            out = Path(tmp) / f"{system}-{backend}-{placement}.json"
             cmd = [sys.executable, "-m", "kt_ft.bench_step", "--system", system, "--backend", backend or "auto",
                    "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
                    "--steps", str(steps), "--gpu-cap-gib", f"{gpu_cap_gib:g}", "--out", str(out)]  # fmt: skip
-            rec = run_one(cmd, out, f"{system} {backend}", timeout_s)
+            if placement is not None:
+                cmd += ["--placement", placement]
+            rec = run_one(cmd, out, f"{system} {placement or backend}", timeout_s)
             if rec is not None:
                 records.append(rec)
     print_step_table(records, share)

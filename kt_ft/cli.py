@@ -130,7 +130,7 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench import PRESETS, available_backends, run, write_json
-    from .bench_step import SYSTEMS, run_step
+    from .bench_step import STEP_SYSTEMS, run_step
 
     if args.preset not in PRESETS:
         raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
@@ -156,9 +156,9 @@ def _bench(args: argparse.Namespace) -> int:
             )
     systems = args.systems.split(",")
     for s in systems:
-        if s not in SYSTEMS:
+        if s not in STEP_SYSTEMS:
             raise KTConfigError(
-                f"--systems {args.systems!r}: {s!r} is unknown; valid choices: {', '.join(SYSTEMS)}"
+                f"--systems {args.systems!r}: {s!r} is unknown; valid choices: {', '.join(STEP_SYSTEMS)}"
             )
     backends = available_backends(args.backends.split(",") if args.backends else None)
     records: list = []
@@ -236,7 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
         "memory cap per expert placement)",
     )
     bench.add_argument(
-        "--systems", default="kt-ft,peft-gpu,offload", help="full-step systems: kt-ft, peft-gpu, offload"
+        "--systems",
+        default="kt-ft,kt-ft-stream,peft-gpu,offload",
+        help="full-step systems: kt-ft (each CPU backend), kt-ft-stream (every expert streamed to the GPU), "
+        "peft-gpu, offload",
     )
     bench.add_argument(
         "--layers", default=None, help="decoder layers in the full step, comma-separated counts (default 4)"
