@@ -101,6 +101,13 @@ def test_plan_shows_gpu_experts_and_layer_split(model_dirs, tmp_path, capsys):
     assert r["devices"]["cpu"]["param_bytes"] == 2 * E * per_expert  # the CPU keeps every expert
     assert r["devices"]["cuda:0"]["param_bytes"] == (2 * V * H + PER_LAYER + H) * 4 + 2 * per_expert
     assert r["devices"]["cuda:1"]["param_bytes"] == PER_LAYER * 4
+    # layer 1 has GPU experts: its expert LoRA (and AdamW state) counts on the training GPU,
+    # layer 0's stays on the CPU (moe/patch.py lora_home)
+    half = EXPERT_LORA // L
+    assert r["devices"]["cpu"]["lora_params"] == half
+    assert (
+        r["devices"]["cuda:0"]["lora_params"] == PEFT_LORA // L + half
+    )  # layer 0's attention LoRA + layer 1's experts'
     # gpu_experts runs now (moe/resident.py): only the multi-device placement is refused
     assert len(r["refusals"]) == 1 and "multi-device placement" in r["refusals"][0]
 
