@@ -14,7 +14,9 @@ Trainer does) leaves it where it is, so the routed experts never reach the GPU -
 rule's ``gpu_experts``, whose base weights ``resident.py`` copies once to the training device
 (plain attributes, not parameters or buffers), and its ``stream`` experts, whose base weights
 ``streamed.py`` copies into a reusable device buffer each time the layer runs; both are
-computed there by ``device_experts.py``, the rest by the CPU op.
+computed there by ``device_experts.py``, the rest by the CPU op. The six expert-LoRA parameters
+of a layer with such experts live on the training GPU (``lora_device``, ``patch.py``
+``lora_home``), put there at construction; whole-model moves leave them too.
 """
 
 from __future__ import annotations
