@@ -335,15 +335,23 @@ def worker(args: argparse.Namespace) -> StepRecord:
 
         replanner = Replanner(placement.ctx, every=0, threshold=1.0)
         warmup = max(args.warmup, CALIBRATE_AFTER + 1)
-    times, losses, busy = [], [], []
+    # the model's stream scheduler (one per model), whose counters say what crossed the link
+    sched = next((m.scheduler for m in model.modules() if isinstance(m, KTExperts) and m.streamed), None)
+
+    def link_totals() -> tuple[int, int, int]:
+        st = sched.stats() if sched is not None else {"bytes_streamed": 0, "copies": 0, "hits": 0}
+        return st["bytes_streamed"], st["copies"], st["hits"]
+
+    times, losses, busy, streamed = [], [], [], []
     for step in range(warmup + args.steps):
-        busy0 = sum(r.busy_s for r in runners)
+        busy0, link0 = sum(r.busy_s for r in runners), link_totals()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss = _train_step(model, ids, opt, cuda)
         times.append(time.perf_counter() - t0)
         busy.append(sum(r.busy_s for r in runners) - busy0)
+        streamed.append(tuple(b - a for a, b in zip(link0, link_totals())))
         losses.append(float(loss))
         if replanner is not None and replanner.step(step + 1):
             from .bench_placement import split_text
@@ -356,9 +364,12 @@ def worker(args: argparse.Namespace) -> StepRecord:
     if prof_dir:  # one more step under the profiler: where the time goes (not part of the figures)
         stem = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{name}-{args.gpu_cap_gib or 0:g}")
         _profile_step(model, ids, opt, Path(prof_dir) / f"{stem}.txt", cuda)
+    i = times.index(best)
     if runners:  # how much of the step the CPU experts take: what overlapping could hide is the rest
-        i = times.index(best)
         note += f"; CPU expert op {busy[i] * 1e3:.0f} ms of the step ({busy[i] / best:.0%})"
+    if sched is not None:  # what the link carried in that step (a reuse: a layer's weights still there)
+        nbytes, copies, hits = streamed[i]
+        note += f"; streamed {nbytes / 1e9:.2f} GB in the step ({copies} layer copies, {hits} reuses)"
     rec = StepRecord(
         name=name,
         kind="step",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -64,6 +65,7 @@ def test_bench_step_tiny_runs_each_system(tmp_path):
         a, rel=1e-3
     )  # the same model, other placement
     assert "every expert streamed" in steps["kt-ft[stream]"]["note"]
+    assert re.search(r"streamed \d+\.\d\d GB in the step \(\d+ layer copies", steps["kt-ft[stream]"]["note"])
     assert "skipping offload" in proc.stdout
 
 
