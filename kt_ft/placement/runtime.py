@@ -143,9 +143,8 @@ class Replanner:
         self.replans = 0
         self.calibrations = 0
         self.last_choice: Choice | None = None  # the latest re-plan's choice
-        self._cpu_mark: tuple[float, int, float] | None = (
-            None  # (busy_s, pairs, pair-weighted FLOPs) at the mark
-        )
+        # (seconds in the CPU op, pairs, their FLOPs) at the start of calibrate's window
+        self._cpu_mark: tuple[float, int, float] | None = None
         # without link / GPU rates every expert stays on the CPU whatever the counts: count nothing
         self.active = ctx.rates.has_gpu
         for m in self.modules.values():
