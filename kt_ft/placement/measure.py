@@ -6,7 +6,8 @@
   ``LayerShape.pair_flops``.
 * link: a pinned host -> GPU copy of 256 MiB.
 * GPU: a dense bf16 matmul (8192²), and one layer of resident experts computed as a run computes
-  them (``measure_gpu_expert_flops``: its overheads, LoRA copies included, are in the rate).
+  them (``measure_gpu_expert_flops``: its overheads, the LoRA kept where a run keeps it, are in
+  the rate).
 
 Cached in ``~/.cache/kt-ft/rates.json`` (``KT_FT_CACHE_DIR`` moves it), keyed by the CPU model,
 physical cores / logical CPUs, the GPU's name and the torch version; the CPU figure also by
