@@ -51,6 +51,13 @@ CASES = {
     ),
     "single_token": dict(T=1, E=4, k=2, ids=None),
     "top_k_equals_E": dict(T=11, E=4, k=4, ids=None),
+    # padded row counts 48 / 32 / 16 / 0: the torch backend's LoRA products run as three groups
+    "skewed": dict(
+        T=40,
+        E=5,
+        k=2,
+        ids=torch.tensor([[0, 1 + (i % 3 == 0)] if i < 34 else [3, 2] for i in range(40)]),
+    ),
 }
 
 
@@ -72,6 +79,26 @@ def test_fast_backend_matches_reference(backend, dtype, case, rng):
     # the GPU machine's AMX GEMMs. A wrong gradient is off by ~100%, so 15% still catches it.
     loose = {"grad_weights": 0.15} if case == "single_token" and dtype == torch.bfloat16 else None
     assert_close(truth, got, TOL[dtype], loose)
+
+
+def test_torch_backend_lora_groups(monkeypatch, rng):
+    """The rank-sized LoRA products as one bmm per group of experts with equal padded rows
+    (``kernels/grouped.py``) give what one product per expert gives (``KT_FT_LORA_BMM=0``), fp32
+    within 1e-6 of the largest entry; the skewed case really has several groups."""
+    from kt_ft.kernels.grouped import _route_layout
+
+    c = CASES["skewed"]
+    base, lora, x, ids, w, gy = make_problem(
+        c["T"], c["E"], c["k"], 64, 48, 4, torch.float32, rng, ids=c["ids"]
+    )
+    layout = _route_layout(ids, w, c["E"])[3]
+    # by padded count, then id: expert 3 (16 rows), experts 1 and 2 (32 each), expert 0 (48)
+    assert [(g.idx.tolist(), g.c) for g in layout.groups] == [([3], 16), ([1, 2], 32), ([0], 48)]
+    got = run_backend("torch", base, lora, x, ids, w, gy, 2.0)
+    monkeypatch.setenv("KT_FT_LORA_BMM", "0")
+    assert all(g.n == 1 for g in _route_layout(ids, w, c["E"])[3].groups)
+    ref = run_backend("torch", base, lora, x, ids, w, gy, 2.0)
+    assert_close(ref, got, 1e-6)
 
 
 def test_reference_backend_is_the_plain_loop(rng):

@@ -10,6 +10,11 @@ Layout choices (measured on a 16-core Sapphire-Rapids-class Xeon, see README "Pe
   view); LoRA corrections go to their own buffer and are added with one vectorised op;
 * gate and up LoRA run as one product each way: A_gu = [Ag; Au] [2r, H] and the
   block-diagonal B_gu = diag(Bg, Bu) [2I, 2r], built once per call;
+* the rank-sized LoRA products (12 kinds, ~4 MFLOP each per expert at 128 rows) run as one
+  ``bmm`` per group of experts with the same padded row count: the rows are laid out with the
+  experts ordered by that count, so a group's rows are one [n, c, ...] view. Per expert they
+  were 12 x 128 oneDNN calls of 40-90 us each on the Xeon, ~27% of the op at 2048 tokens
+  (``scripts/profile_op.py``) for ~1.5% of its FLOPs. ``KT_FT_LORA_BMM=0``: one expert a group;
 * elementwise work runs once over all pairs in the compute dtype (``silu_backward`` for the
   gate derivative), as autograd would;
 * the sum over the k experts of a token is a gather back to token order and one batched
@@ -23,6 +28,7 @@ activation) go to ``grouped_variant.py``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,7 +92,7 @@ class _Ctx:
     xs: torch.Tensor  # [N, H] inputs of the expert-sorted, padded pairs, compute dtype
     tok: torch.Tensor  # [N] token of each row (padding rows: token 0)
     inv: torch.Tensor  # [T*k] row of flat pair t*k + slot
-    counts: list[int]  # rows per expert (padded)
+    layout: _Layout  # rows per expert (padded), in row order, and the equal-count groups
     ws: torch.Tensor  # [N, 1] routing weight of each row (padding rows: 0), compute dtype
     gu: torch.Tensor  # [N, 2I] gate/up pre-activations (LoRA included)
     p: torch.Tensor  # [N, 2r] xs @ A_gu^T
@@ -108,7 +114,77 @@ def _expert_slices(counts: list[int]):
         off += n
 
 
+@dataclass
+class _Group:
+    """Experts ``idx`` [n] (int64) with ``c`` rows each, their rows ``rows`` (n·c, contiguous)."""
+
+    idx: torch.Tensor
+    rows: slice
+    n: int
+    c: int
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """[N, X] -> this group's rows as [n, c, X] (a view)."""
+        return t[self.rows].view(self.n, self.c, t.shape[1])
+
+    def pick(self, w: torch.Tensor) -> torch.Tensor:
+        """[E, ...] -> the group's experts [n, ...] (a view for one expert, else a copy)."""
+        if self.n == 1:
+            e = int(self.idx[0])
+            return w[e : e + 1]
+        return w.index_select(0, self.idx)
+
+
+@dataclass
+class _Layout:
+    """Where each expert's rows are: ``counts`` padded rows per expert id, ``slices`` (expert,
+    rows) in row order, ``groups`` runs of experts with equal counts (``_Group``), ``rows`` the
+    experts' rows in all (a null row may follow)."""
+
+    counts: list[int]
+    slices: list[tuple[int, slice]]
+    groups: list[_Group]
+    rows: int
+
+
+def _layout(padded: list[int], order: list[int], batched: bool) -> _Layout:
+    """Rows of experts in ``order`` (each ``padded[e]`` rows); ``batched`` False: one expert a group."""
+    slices, groups, off = [], [], 0
+    run: list[int] = []
+
+    def close():
+        if run:
+            c = padded[run[0]]
+            start = slices[-len(run)][1].start
+            groups.append(
+                _Group(torch.tensor(run, dtype=torch.long), slice(start, start + c * len(run)), len(run), c)
+            )
+            run.clear()
+
+    for e in order:
+        c = padded[e]
+        if not c:
+            continue
+        if run and (not batched or padded[run[0]] != c):
+            close()
+        slices.append((e, slice(off, off + c)))
+        run.append(e)
+        off += c
+    close()
+    return _Layout(padded, slices, groups, off)
+
+
 def _route(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
+    """``_route_layout`` with the experts' rows in id order; returns its counts for the layout."""
+    tok, inv, ws, layout = _route_layout(ids, weights, num_experts, by_count=False)
+    return tok, inv, ws, layout.counts
+
+
+def _lora_batched() -> bool:
+    return os.environ.get("KT_FT_LORA_BMM", "1") != "0"
+
+
+def _route_layout(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, by_count: bool = True):
     """Sort the T*k (token, slot) pairs by expert, each expert's rows padded to ROW_PAD.
 
     Pairs with a negative id are *masked* (computed elsewhere, e.g. by GPU-resident experts):
@@ -116,9 +192,12 @@ def _route(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
     rows, which no expert product writes and which the caller zeroes (``_zero_null_rows``), so
     they add nothing to the output and get zero input, routing-weight and LoRA gradients.
 
+    ``by_count``: the experts' rows ordered by padded row count (then id), so experts with equal
+    counts are adjacent (``_Layout.groups``); else by id.
+
     Returns (tok [N] token per row, inv [T*k] row of each flat pair, ws [N, 1] routing
-    weight per row with 0 on padding rows, counts: padded rows per expert); N = sum(counts),
-    plus 1 (the null row, last) when some pair is masked.
+    weight per row with 0 on padding rows, the ``_Layout``); N = the layout's rows, plus 1 (the
+    null row, last) when some pair is masked.
     """
     flat = ids.reshape(-1)
     n = flat.numel()
@@ -131,7 +210,12 @@ def _route(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
     counts = torch.bincount(flat, minlength=num_experts)
     padded = (counts + ROW_PAD - 1) // ROW_PAD * ROW_PAD
     start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
-    start_pad = torch.cumsum(padded, 0) - padded  # first row of each expert
+    ar = torch.arange(num_experts)
+    # the experts in row order: by padded count (stable: ties by id), or by id
+    e_order = torch.argsort(padded, stable=True) if by_count else ar
+    in_order = padded[e_order]
+    start_pad = torch.empty_like(padded)
+    start_pad[e_order] = torch.cumsum(in_order, 0) - in_order  # first row of each expert
     expert = flat[order]
     row = start_pad[expert] + torch.arange(m) - start[expert]  # row of each sorted pair
     if keep is not None:
@@ -143,7 +227,8 @@ def _route(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
     ws[row, 0] = weights.reshape(-1)[order]
     inv = torch.full((n,), n_rows - 1, dtype=torch.long)  # masked pairs: the null row
     inv[order] = row
-    return tok, inv, ws, padded.tolist()
+    layout = _layout(padded.tolist(), e_order.tolist(), by_count and _lora_batched())
+    return tok, inv, ws, layout
 
 
 def _zero_null_rows(t: torch.Tensor, counts: list[int]) -> None:
@@ -166,13 +251,20 @@ class GroupedTorchBackend(ExpertBackend):
     def __init__(self) -> None:
         self._free: list[_SavedBuffers] = []
 
-    def _for_experts(self, counts: list[int], *products: Callable[[int, slice], object]) -> None:
+    def _for_experts(self, layout: _Layout, *products: Callable[[int, slice], object]) -> None:
         """Run every ``product(e, rows)`` for each expert e with rows, kind by kind: alternating big
         and rank-sized products per expert measured several times slower on the Xeon than running
         each kind back to back. Products write disjoint rows / experts of preallocated buffers."""
         for fn in products:
-            for e, sl in _expert_slices(counts):
+            for e, sl in layout.slices:
                 fn(e, sl)
+
+    def _for_groups(self, layout: _Layout, *products: Callable[[_Group], object]) -> None:
+        """Run every ``product(group)`` for each group of equal-count experts, kind by kind (the
+        rank-sized LoRA products, one ``bmm`` a group)."""
+        for fn in products:
+            for g in layout.groups:
+                fn(g)
 
     def _take_saved(self) -> _SavedBuffers:
         saved = self._free.pop() if self._free else _SavedBuffers()
@@ -194,7 +286,7 @@ class GroupedTorchBackend(ExpertBackend):
         a_gu = torch.cat([lc.gate_a, lc.up_a], dim=1)
         b_gu = _block_diag_b(lc.gate_b, lc.up_b)
 
-        tok, inv, ws, counts = _route(ids, weights.to(dt), num_experts)
+        tok, inv, ws, layout = _route_layout(ids, weights.to(dt), num_experts)
         n_pairs = tok.numel()
         saved = self._take_saved() if needs_grad else None
 
@@ -207,12 +299,12 @@ class GroupedTorchBackend(ExpertBackend):
         gu = buf("gu", two_i)
         p = buf("p", 2 * rank)
         lo = _WS.get("f_lo_gu", (n_pairs, two_i), dt)
-        self._for_experts(
-            counts,
-            lambda e, sl: torch.mm(xs[sl], a_gu[e].t(), out=p[sl]),
-            lambda e, sl: torch.mm(p[sl], b_gu[e].t(), out=lo[sl]),
-            lambda e, sl: torch.mm(xs[sl], base.gate_up[e].t(), out=gu[sl]),
+        self._for_groups(
+            layout,
+            lambda g: torch.bmm(g.view(xs), g.pick(a_gu).transpose(1, 2), out=g.view(p)),
+            lambda g: torch.bmm(g.view(p), g.pick(b_gu).transpose(1, 2), out=g.view(lo)),
         )
+        self._for_experts(layout, lambda e, sl: torch.mm(xs[sl], base.gate_up[e].t(), out=gu[sl]))
         gu.add_(lo, alpha=s)
         lo = None  # the workspace view is free again
 
@@ -224,15 +316,15 @@ class GroupedTorchBackend(ExpertBackend):
         def down(e, sl):
             d[sl] = torch.mm(h[sl], base.down[e].t())  # out= takes a 2.5x slower path here
 
-        self._for_experts(
-            counts,
-            lambda e, sl: torch.mm(h[sl], lc.down_a[e].t(), out=pd[sl]),
-            lambda e, sl: torch.mm(pd[sl], lc.down_b[e].t(), out=lo[sl]),
-            down,
+        self._for_groups(
+            layout,
+            lambda g: torch.bmm(g.view(h), g.pick(lc.down_a).transpose(1, 2), out=g.view(pd)),
+            lambda g: torch.bmm(g.view(pd), g.pick(lc.down_b).transpose(1, 2), out=g.view(lo)),
         )
+        self._for_experts(layout, down)
         d.add_(lo, alpha=s)
         lo = h = None  # free h (the products above capture these names)
-        _zero_null_rows(d, counts)
+        _zero_null_rows(d, layout.counts)
 
         # out_t = sum_k w_tk d_tk: back to token order, then [T,1,k] @ [T,k,H] (fp32 accumulation)
         d_tok = d.index_select(0, inv).view(t, k, hidden)
@@ -240,7 +332,7 @@ class GroupedTorchBackend(ExpertBackend):
         if not needs_grad:
             return out, None
         return out, _Ctx(
-            base, xs, tok, inv, counts, ws, gu, p, pd, lc, a_gu, b_gu, (t, k), s, saved, saved.generation
+            base, xs, tok, inv, layout, ws, gu, p, pd, lc, a_gu, b_gu, (t, k), s, saved, saved.generation
         )
 
     def backward(self, ctx: _Ctx, grad_out: torch.Tensor):
@@ -269,11 +361,9 @@ class GroupedTorchBackend(ExpertBackend):
         # down projection: q = dY Wd, qa = dY Bd
         q = _WS.get("b_q", (n_pairs, inter), dt)
         qa = torch.empty(n_pairs, rank, dtype=dt)
-        self._for_experts(
-            ctx.counts,
-            lambda e, sl: torch.mm(gys[sl], lc.down_b[e], out=qa[sl]),
-            lambda e, sl: torch.mm(gys[sl], base.down[e], out=q[sl]),
-        )
+        lay = ctx.layout
+        self._for_groups(lay, lambda g: torch.bmm(g.view(gys), g.pick(lc.down_b), out=g.view(qa)))
+        self._for_experts(lay, lambda e, sl: torch.mm(gys[sl], base.down[e], out=q[sl]))
         # summed in the compute dtype (its CPU reduction accumulates in float32) and then widened:
         # sum(dtype=float32) first copied the [N, I] product to float32 (2.5x slower for this line)
         grad_ws = (h * q).sum(-1).to(acc) + s * (ctx.pd * qa).sum(-1).to(acc)  # [N]
@@ -282,11 +372,15 @@ class GroupedTorchBackend(ExpertBackend):
         dh = q.mul_(ws)  # [N, I] base part of grad h
         grads = {n: torch.empty(w.shape, dtype=dt) for n, w in lc._asdict().items()}
         lo = _WS.get("b_lo_h", (n_pairs, inter), dt)
-        self._for_experts(
-            ctx.counts,
-            lambda e, sl: torch.mm(gys[sl].t(), wpd[sl], out=grads["down_b"][e]),
-            lambda e, sl: torch.mm(dpd[sl].t(), h[sl], out=grads["down_a"][e]),
-            lambda e, sl: torch.mm(dpd[sl], lc.down_a[e], out=lo[sl]),
+
+        def put(dst: torch.Tensor, g: _Group, val: torch.Tensor) -> None:  # per-expert grads [E, ...]
+            dst.index_copy_(0, g.idx, val)
+
+        self._for_groups(
+            lay,
+            lambda g: put(grads["down_b"], g, torch.bmm(g.view(gys).transpose(1, 2), g.view(wpd))),
+            lambda g: put(grads["down_a"], g, torch.bmm(g.view(dpd).transpose(1, 2), g.view(h))),
+            lambda g: torch.bmm(g.view(dpd), g.pick(lc.down_a), out=g.view(lo)),
         )
         dh.add_(lo)
         lo = gys = h = q = None  # free h and the views
@@ -301,25 +395,25 @@ class GroupedTorchBackend(ExpertBackend):
         dp = torch.empty(n_pairs, 2 * rank, dtype=dt)
         db_gu = torch.empty(num_experts, 2 * inter, 2 * rank, dtype=dt)
         da_gu = torch.empty(num_experts, 2 * rank, hidden, dtype=dt)
-        self._for_experts(
-            ctx.counts,
-            lambda e, sl: torch.mm(dgu[sl].t(), ctx.p[sl], out=db_gu[e]),
-            lambda e, sl: torch.mm(dgu[sl], ctx.b_gu[e], out=dp[sl]),
+        self._for_groups(
+            lay,
+            lambda g: put(db_gu, g, torch.bmm(g.view(dgu).transpose(1, 2), g.view(ctx.p))),
+            lambda g: torch.bmm(g.view(dgu), g.pick(ctx.b_gu), out=g.view(dp)),
         )
         dp.mul_(s)
-        self._for_experts(
-            ctx.counts,
-            lambda e, sl: torch.mm(dp[sl].t(), ctx.xs[sl], out=da_gu[e]),
-            lambda e, sl: torch.mm(dp[sl], ctx.a_gu[e], out=lo[sl]),
-            lambda e, sl: torch.mm(dgu[sl], base.gate_up[e], out=dxs[sl]),
+        self._for_groups(
+            lay,
+            lambda g: put(da_gu, g, torch.bmm(g.view(dp).transpose(1, 2), g.view(ctx.xs))),
+            lambda g: torch.bmm(g.view(dp), g.pick(ctx.a_gu), out=g.view(lo)),
         )
+        self._for_experts(lay, lambda e, sl: torch.mm(dgu[sl], base.gate_up[e], out=dxs[sl]))
         dxs.add_(lo)
         lo = None
-        _zero_null_rows(dxs, ctx.counts)
-        _zero_null_rows(grad_ws, ctx.counts)
+        _zero_null_rows(dxs, lay.counts)
+        _zero_null_rows(grad_ws, lay.counts)
 
         # experts without tokens got no product: their LoRA grads are zero
-        empty = [e for e, n in enumerate(ctx.counts) if n == 0]
+        empty = [e for e, n in enumerate(lay.counts) if n == 0]
         for buf in (*grads.values(), db_gu, da_gu):
             if empty:
                 buf[empty] = 0

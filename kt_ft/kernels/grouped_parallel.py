@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .base import ExpertWeights
-from .grouped import GroupedTorchBackend, _expert_slices
+from .grouped import GroupedTorchBackend, _Group, _Layout
 
 
 def balance(counts: list[int], workers: int) -> list[list[int]]:
@@ -67,8 +67,8 @@ class ExpertParallelTorchBackend(GroupedTorchBackend):
             torch.set_num_threads(caller)  # MKL's and torch's global counts back for the caller
         return self._pool
 
-    def _for_experts(self, counts: list[int], *products: Callable[[int, slice], object]) -> None:
-        slices = dict(_expert_slices(counts))
+    def _for_experts(self, layout: _Layout, *products: Callable[[int, slice], object]) -> None:
+        slices = dict(layout.slices)
         pool = self._workers()
 
         def run(experts: list[int]) -> None:
@@ -76,8 +76,13 @@ class ExpertParallelTorchBackend(GroupedTorchBackend):
                 for fn in products:
                     fn(e, slices[e])
 
-        for f in [pool.submit(run, chunk) for chunk in balance(counts, self._workers_n)]:
+        for f in [pool.submit(run, chunk) for chunk in balance(layout.counts, self._workers_n)]:
             f.result()  # re-raises a worker's error here
+
+    def _for_groups(self, layout: _Layout, *products: Callable[[_Group], object]) -> None:
+        # whole experts per thread here too: each expert a group of one, on its worker
+        groups = {e: _Group(torch.tensor([e]), sl, 1, sl.stop - sl.start) for e, sl in layout.slices}
+        self._for_experts(layout, *[lambda e, _sl, fn=fn: fn(groups[e]) for fn in products])
 
     def __del__(self) -> None:
         if self._pool is not None:
