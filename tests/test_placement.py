@@ -164,3 +164,9 @@ def test_layers_with_gpu_experts_count_their_expert_lora_state():
     # planner keeps the experts on the CPU instead of overrunning the budget
     tight = choose_splits(layers(2), FAST, 1, T, budget_bytes=ACT + 8 * B, lora_state_bytes=10**6)
     assert tight.splits == [LayerSplit()] * 2
+    # a re-plan: the LoRA stays where the run put it, counted whatever the split. All 8 layers'
+    # LoRA on the GPU leaves 32·B - 8·28,800 for 24 resident experts; none there: all 32 fit
+    c = choose_splits(layers(8), FAST, 1, T, lora_state_bytes=16, lora_fixed=[True] * 8, **kw)
+    assert sum(len(s.resident) for s in c.splits) == 24
+    c = choose_splits(layers(8), FAST, 1, T, lora_state_bytes=16, lora_fixed=[False] * 8, **kw)
+    assert c.splits == [LayerSplit((0, 1, 2, 3), ())] * 8

@@ -119,13 +119,16 @@ def plan_auto(
     allow_stream: bool | None = None,
     expert_budget_bytes: int | None = None,
     layer_scale: float = 1.0,
+    lora_on_gpu: dict[int, bool] | None = None,
 ) -> Choice | None:
     """Choose and write ``gpu_experts`` / ``stream_experts`` (ids) of every ``placement: auto`` layer.
 
     ``cap_bytes``: GPU memory the whole run may take on the training device (None: nothing on the
     GPU); ``expert_budget_bytes`` instead gives the auto-placed experts' share directly (the bench:
     the full model's share, with ``layer_scale`` = real layers / benchmarked layers, see
-    ``choose_splits``). Returns the planner's choice (None: no auto layer)."""
+    ``choose_splits``). ``lora_on_gpu``: layer -> whether its expert LoRA already lives on the
+    GPU (a re-plan: it stays where it is whatever the new split); None: it will follow the split.
+    Returns the planner's choice (None: no auto layer)."""
     autos = auto_layers(plan)
     if not autos:
         return None
@@ -158,6 +161,7 @@ def plan_auto(
         layer_scale=layer_scale,
         # layers with GPU experts keep their expert LoRA + AdamW state there (16 bytes a parameter)
         lora_state_bytes=TRAIN_STATE_BYTES if lora_home(plan.default_device, True) is not None else 0,
+        lora_fixed=None if lora_on_gpu is None else [lora_on_gpu.get(e.layer, False) for e in autos],
     )
     for e, split in zip(autos, choice.splits, strict=True):
         e.gpu_experts = GpuExpertSpec(None, split.resident, None) if split.resident else None

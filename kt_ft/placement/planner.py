@@ -111,6 +111,7 @@ def choose_splits(
     nonexpert_flops: float = 0.0,
     layer_scale: float = 1.0,
     lora_state_bytes: int = 0,
+    lora_fixed: Sequence[bool] | None = None,
 ) -> Choice:
     """The split per layer minimising the predicted step time.
 
@@ -123,7 +124,8 @@ def choose_splits(
     ``lora_state_bytes``: GPU bytes per expert-LoRA parameter of a layer with experts on the GPU
     (its LoRA and optimizer state move there: ``moe/patch.py`` ``lora_home``; 0: they stay on the
     CPU); such layers' LoRA counts against the budget (scaled like resident weights), taking
-    resident experts back until it fits.
+    resident experts back until it fits. ``lora_fixed`` (a re-plan: the LoRA does not move once
+    the run started): per input, whether its LoRA is on the GPU, counted whatever the split.
     """
     notes: list[str] = []
     pops = [i.popularity for i in inputs]
@@ -187,7 +189,7 @@ def choose_splits(
             ids = ranked[i][0]
             splits.append(LayerSplit(tuple(sorted(ids[:r])), tuple(sorted(ids[r : r + s]))))
             step += t
-            if r + s:
+            if r + s if lora_fixed is None else lora_fixed[i]:
                 moved += lora_bytes[i]
         return step, splits, moved
 

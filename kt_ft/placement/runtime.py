@@ -255,6 +255,8 @@ class Replanner:
             popularity=counts,
             expert_budget_bytes=ctx.expert_budget_bytes,
             layer_scale=ctx.layer_scale,
+            # the expert LoRA stays where the run put it (``moe/patch.py``): count what is on the GPU
+            lora_on_gpu={layer: m.lora_on_device for layer, m in self.modules.items()},
         )
         changed = 0
         for e in auto_layers(ctx.plan):
