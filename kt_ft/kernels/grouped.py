@@ -116,12 +116,20 @@ def _expert_slices(counts: list[int]):
 
 @dataclass
 class _Group:
-    """Experts ``idx`` [n] (int64) with ``c`` rows each, their rows ``rows`` (n·c, contiguous)."""
+    """Experts ``experts`` (n of them) with ``c`` rows each, their rows ``rows`` (n·c, contiguous)."""
 
-    idx: torch.Tensor
+    experts: list[int]
     rows: slice
     n: int
     c: int
+    _idx: torch.Tensor | None = None
+
+    @property
+    def idx(self) -> torch.Tensor:
+        """[n] int64 of ``experts``, made on first use (groups of one never need it)."""
+        if self._idx is None:
+            self._idx = torch.tensor(self.experts, dtype=torch.long)
+        return self._idx
 
     def view(self, t: torch.Tensor) -> torch.Tensor:
         """[N, X] -> this group's rows as [n, c, X] (a view)."""
@@ -130,9 +138,17 @@ class _Group:
     def pick(self, w: torch.Tensor) -> torch.Tensor:
         """[E, ...] -> the group's experts [n, ...] (a view for one expert, else a copy)."""
         if self.n == 1:
-            e = int(self.idx[0])
+            e = self.experts[0]
             return w[e : e + 1]
         return w.index_select(0, self.idx)
+
+    def put(self, dst: torch.Tensor, val: torch.Tensor) -> None:
+        """Write ``val`` [n, ...] into the group's experts of ``dst`` [E, ...]."""
+        if self.n == 1:
+            e = self.experts[0]
+            dst[e : e + 1].copy_(val)
+        else:
+            dst.index_copy_(0, self.idx, val)
 
 
 @dataclass
@@ -156,9 +172,7 @@ def _layout(padded: list[int], order: list[int], batched: bool) -> _Layout:
         if run:
             c = padded[run[0]]
             start = slices[-len(run)][1].start
-            groups.append(
-                _Group(torch.tensor(run, dtype=torch.long), slice(start, start + c * len(run)), len(run), c)
-            )
+            groups.append(_Group(list(run), slice(start, start + c * len(run)), len(run), c))
             run.clear()
 
     for e in order:
@@ -373,13 +387,10 @@ class GroupedTorchBackend(ExpertBackend):
         grads = {n: torch.empty(w.shape, dtype=dt) for n, w in lc._asdict().items()}
         lo = _WS.get("b_lo_h", (n_pairs, inter), dt)
 
-        def put(dst: torch.Tensor, g: _Group, val: torch.Tensor) -> None:  # per-expert grads [E, ...]
-            dst.index_copy_(0, g.idx, val)
-
         self._for_groups(
             lay,
-            lambda g: put(grads["down_b"], g, torch.bmm(g.view(gys).transpose(1, 2), g.view(wpd))),
-            lambda g: put(grads["down_a"], g, torch.bmm(g.view(dpd).transpose(1, 2), g.view(h))),
+            lambda g: g.put(grads["down_b"], torch.bmm(g.view(gys).transpose(1, 2), g.view(wpd))),
+            lambda g: g.put(grads["down_a"], torch.bmm(g.view(dpd).transpose(1, 2), g.view(h))),
             lambda g: torch.bmm(g.view(dpd), g.pick(lc.down_a), out=g.view(lo)),
         )
         dh.add_(lo)
@@ -397,13 +408,13 @@ class GroupedTorchBackend(ExpertBackend):
         da_gu = torch.empty(num_experts, 2 * rank, hidden, dtype=dt)
         self._for_groups(
             lay,
-            lambda g: put(db_gu, g, torch.bmm(g.view(dgu).transpose(1, 2), g.view(ctx.p))),
+            lambda g: g.put(db_gu, torch.bmm(g.view(dgu).transpose(1, 2), g.view(ctx.p))),
             lambda g: torch.bmm(g.view(dgu), g.pick(ctx.b_gu), out=g.view(dp)),
         )
         dp.mul_(s)
         self._for_groups(
             lay,
-            lambda g: put(da_gu, g, torch.bmm(g.view(dp).transpose(1, 2), g.view(ctx.xs))),
+            lambda g: g.put(da_gu, torch.bmm(g.view(dp).transpose(1, 2), g.view(ctx.xs))),
             lambda g: torch.bmm(g.view(dp), g.pick(ctx.a_gu), out=g.view(lo)),
         )
         self._for_experts(lay, lambda e, sl: torch.mm(dgu[sl], base.gate_up[e], out=dxs[sl]))

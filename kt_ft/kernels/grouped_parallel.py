@@ -81,7 +81,7 @@ class ExpertParallelTorchBackend(GroupedTorchBackend):
 
     def _for_groups(self, layout: _Layout, *products: Callable[[_Group], object]) -> None:
         # whole experts per thread here too: each expert a group of one, on its worker
-        groups = {e: _Group(torch.tensor([e]), sl, 1, sl.stop - sl.start) for e, sl in layout.slices}
+        groups = {e: _Group([e], sl, 1, sl.stop - sl.start) for e, sl in layout.slices}
         self._for_experts(layout, *[lambda e, _sl, fn=fn: fn(groups[e]) for fn in products])
 
     def __del__(self) -> None:
