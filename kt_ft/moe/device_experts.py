@@ -121,7 +121,15 @@ class DeviceExperts:
             self._done()
             return lambda: zeros
         if lora_on_device:  # the parameters live here: their rows, gradients by plain autograd
-            lo = tuple(lora) if self._all else tuple(t.index_select(0, self._ids_dev) for t in lora)
+            src = lora[0].device
+            ids = (
+                self._ids_dev
+                if self._ids_dev is not None and self._ids_dev.device == src
+                else self._ids_cpu.to(src)
+            )
+            lo = tuple(lora) if self._all else tuple(t.index_select(0, ids) for t in lora)
+            # a model left off the LoRA's device (built for a GPU, run on the CPU): the rows follow x
+            lo = tuple(t.to(x.device) for t in lo)
         else:
             # this layer's LoRA rows of the device experts on the device; their gradients go back
             # into the CPU parameters (``_LoraToDevice``)
