@@ -144,10 +144,12 @@ def run_placement(
         jobs.append(("kt-ft", "cpu", None, backend))
         if kt_kernel and backend != "kt-kernel":
             jobs.append(("kt-ft", "cpu", None, "kt-kernel"))
+    # auto and stream with kt_backend auto, as a recipe that names none: the fastest CPU backend
+    # here (kt-kernel on an AMX Xeon) computes auto's CPU share
     if "auto" in placements:
-        jobs += [("kt-ft", "auto", c, backend) for c in caps]
+        jobs += [("kt-ft", "auto", c, "auto") for c in caps]
     if "stream" in placements:
-        jobs.append(("kt-ft", "stream", None, backend))
+        jobs.append(("kt-ft", "stream", None, "auto"))
     if all_gpu:
         jobs.append(("peft-gpu", None, None, backend))
     records: list[StepRecord] = []

@@ -343,7 +343,10 @@ def worker(args: argparse.Namespace) -> StepRecord:
         return st["bytes_streamed"], st["copies"], st["hits"]
 
     times, losses, busy, streamed = [], [], [], []
-    for step in range(warmup + args.steps):
+    step = 0
+    while step < warmup + args.steps:
+        if replanner is not None and replanner.trying and step >= warmup:
+            warmup = step + 1  # the auto split is still being tried (``Replanner``): still warm-up
         busy0, link0 = sum(r.busy_s for r in runners), link_totals()
         if cuda:
             torch.cuda.synchronize()
@@ -354,11 +357,16 @@ def worker(args: argparse.Namespace) -> StepRecord:
         streamed.append(tuple(b - a for a, b in zip(link0, link_totals())))
         losses.append(float(loss))
         if replanner is not None and replanner.step(step + 1):
-            from .bench_placement import split_text
+            warmup = max(warmup, step + 2)  # the next step settles the new split: not timed
+        step += 1
+    if replanner is not None and replanner.last_choice is not None:
+        from .bench_placement import split_text
 
-            choice = replanner.last_choice
-            placement.predicted_s = choice.prediction.step_s
-            note += f"; re-planned with the CPU op's rate in this run: {split_text(choice, runners[0].base.num_experts)}"
+        choice = replanner.last_choice  # the split the timed steps ran
+        placement.predicted_s = choice.prediction.step_s
+        note += f"; re-planned in the run: {split_text(choice, runners[0].base.num_experts)}"
+    if replanner is not None and replanner.trial_note:
+        note += f"; trial: {replanner.trial_note}"
     best = min(times[warmup:])
     prof_dir = os.environ.get("KT_FT_BENCH_PROFILE")
     if prof_dir:  # one more step under the profiler: where the time goes (not part of the figures)

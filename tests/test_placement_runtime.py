@@ -24,9 +24,10 @@ ACT = 24 * 2 * (3 * 32 + 64) * 4  # the planner's reserve: one layer, every pair
 FAST_GPU = Rates(cpu_flops=1e9, link_bytes_s=1e12, gpu_flops=1e13)
 
 
-def auto_model(tmp_path, n_resident):
+def auto_model(tmp_path, n_resident, rates=FAST_GPU, **model_kw):
     """The tiny model of test_resident.build (same seeds, so the same weights and LoRA init) under
-    the auto rule, with a GPU cap that leaves room for ``n_resident`` experts."""
+    the auto rule, with a GPU cap that leaves room for ``n_resident`` experts (``model_kw``:
+    config overrides, as ``build``'s)."""
     from peft import LoraConfig, get_peft_model
     from test_parity import ATTN
     from tiny_models import tiny_model
@@ -37,7 +38,7 @@ def auto_model(tmp_path, n_resident):
     rule = tmp_path / "auto.yaml"
     rule.write_text(AUTO_RULE)
     model = get_peft_model(
-        tiny_model(), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN, lora_dropout=0.0)
+        tiny_model(**model_kw), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN, lora_dropout=0.0)
     )
     with torch.no_grad():
         gen = torch.Generator().manual_seed(7)
@@ -47,7 +48,7 @@ def auto_model(tmp_path, n_resident):
     plan = make_plan(model, load_rules(rule), FAMILIES["qwen3_moe"], "torch", 2)
     base = estimate(model, plan, torch.float32, SIZES)["devices"]["cuda:0"]["total_bytes"]
     cap_gib = (base + ACT + n_resident * EXPERT) / 2**30
-    ctx, choice = auto_at_start(model, plan, SIZES, gpu_memory_gib=cap_gib, rates=FAST_GPU)
+    ctx, choice = auto_at_start(model, plan, SIZES, gpu_memory_gib=cap_gib, rates=rates)
     replace_routed_experts(model, plan, RANK, ALPHA / RANK, 4096, seed=1)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(9)
@@ -183,3 +184,57 @@ def test_cpu_rate_of_the_run_replaces_the_planned_one(tmp_path):
     for r in runners:
         r.busy_s += 1.0
     assert not rp2.step(CALIBRATE_AFTER)
+
+
+@pytest.mark.parametrize("alt_faster", [True, False])
+def test_trial_measures_the_gpu_only_split_and_keeps_the_faster(tmp_path, monkeypatch, alt_faster):
+    """``Replanner`` trial: after the calibration step a split with CPU experts beside GPU ones is
+    timed against the planner's GPU-only split under the same budget (CPU as last resort), one
+    settling step then TRIAL_STEPS timed steps each, and the faster kept (by > TRIAL_MARGIN);
+    training through both switches matches the all-CPU placement (fp32 losses rel 1e-5). Step
+    times come from a fake clock: the test sets which split is faster."""
+    import kt_ft.placement.runtime as runtime
+    from kt_ft.placement.runtime import CALIBRATE_AFTER, TRIAL_STEPS
+
+    rule = tmp_path / "cpu.yaml"
+    rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch}\n")
+    data = batches()
+    n_steps = CALIBRATE_AFTER + 2 * (1 + TRIAL_STEPS) + 1
+    ref = train(build(rule, num_hidden_layers=4), data, n_steps, gc=True)
+
+    # a fast CPU and a slow link: the planner keeps the 6 experts the cap holds resident and the
+    # rest on the CPU; the GPU-only split keeps 2 resident and streams 2 a layer (4 experts' buffers)
+    rates = Rates(cpu_flops=1e13, link_bytes_s=1e6, gpu_flops=1e13)
+    model, ctx, _ = auto_model(tmp_path, 6, rates, num_hidden_layers=4)
+    rp = Replanner(ctx, every=0, threshold=0.1)
+
+    def split():
+        return [
+            (kt.resident.ids if kt.resident else (), kt.streamed.ids if kt.streamed else ())
+            for kt in kt_layers(model)
+        ]
+
+    ours = split()
+    assert any(0 < len(r) + len(s) < 8 for r, s in ours) and not any(s for _, s in ours)
+    clock = [0.0]
+    monkeypatch.setattr(runtime.time, "perf_counter", lambda: clock[0])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    opt_state: dict = {}
+    losses, seen, changes = [], [], []
+    for step in range(1, n_steps + 1):
+        losses += _train_keep(model, data, step - 1, step, opt_state)
+        now = split()
+        seen.append(now)
+        gpu_only = now != ours
+        # a step under the GPU-only split takes 1 s (0.5 s when it is the faster), under ours 0.8 s
+        clock[0] += (0.5 if alt_faster else 1.0) if gpu_only else 0.8
+        changes.append(rp.step(step))
+    assert not rp.trying and rp.trial_note is not None
+    alt = seen[CALIBRATE_AFTER + 1 + TRIAL_STEPS]  # the split the trial switched to
+    assert alt != ours
+    # switched once to the GPU-only split after ours was timed; back once more when ours won
+    assert sum(changes) == (1 if alt_faster else 2)
+    assert split() == (alt if alt_faster else ours) and rp.cpu_last_resort == alt_faster
+    assert ("GPU-only" in rp.trial_note.split("kept")[1]) == alt_faster
+    assert losses == pytest.approx(ref, rel=1e-5)

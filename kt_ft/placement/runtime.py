@@ -20,11 +20,21 @@ not): the CPU op's time and pairs from the end of step 1 to the end of step ``CA
 give its rate in this run; off by more than ``CALIBRATE_TOLERANCE`` from the rate the split was
 planned with, it replaces it and the planner runs again (also at later re-plan checks, at most
 ``MAX_CALIBRATIONS`` times a run).
+
+Trial (``Replanner`` after the first calibration): when the split still has CPU experts in layers
+whose other experts run on the GPU, the same budget with every expert the GPU can take (the CPU
+as last resort) is tried for a few steps, each split's step time measured, and the faster kept
+(``TRIAL_STEPS``). Why measured and not predicted: on the GPU machine a 4-layer Qwen3-30B-A3B
+step with 7 of 128 experts a layer on the CPU took 220 ms against 121 ms with all of them
+streamed, where the model predicted the opposite (the CPU op's per-call work and the host time
+around it are not proportional to its pairs; the model's layer time max(cpu, link, gpu)
+assumes an overlap the step did not get).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -130,6 +140,23 @@ def tv_distance(p: Sequence[float], q: Sequence[float]) -> float:
 CALIBRATE_AFTER = 3  # optimizer steps before the first calibration (the first: warm-up, not counted)
 CALIBRATE_TOLERANCE = 1.25  # re-plan when the CPU op's rate in the run is off by more than this factor
 MAX_CALIBRATIONS = 2  # CPU rate replacements per run (its rate differs with the CPU's share: no ping-pong)
+TRIAL_STEPS = 2  # timed steps per split in the trial, each after one settling step (new buffers, pinning)
+TRIAL_MARGIN = 0.03  # the GPU-only split is kept when its step is faster by more than this fraction
+CPU_LAST_RESORT = (
+    1e-6  # CPU rate factor that makes the planner put experts on the CPU only when nothing else fits
+)
+
+
+@dataclass
+class _Trial:
+    """The measured comparison of two splits: ``splits[0]`` the planner's, ``splits[1]`` the
+    GPU-only one; per split, the step times after its settling step."""
+
+    splits: list[dict[int, tuple]]  # per candidate: layer -> (gpu_experts, stream_experts) rule specs
+    choices: list[Choice | None]
+    times: list[list[float]] = dataclasses.field(default_factory=lambda: [[], []])
+    current: int = 0
+    settle: bool = True  # the next step after a switch is not timed
 
 
 class Replanner:
@@ -143,6 +170,11 @@ class Replanner:
         self.replans = 0
         self.calibrations = 0
         self.last_choice: Choice | None = None  # the latest re-plan's choice
+        self.cpu_last_resort = False  # the trial found the GPU-only split faster: plan so from now on
+        self.trial_note: str | None = None  # what the trial measured (logged; the bench prints it)
+        self._trial: _Trial | None = None
+        self._t_last: float | None = None  # perf_counter at the last ``step`` call
+        self._applied = self._specs()  # layer -> the (gpu_experts, stream_experts) its module runs
         # (seconds in the CPU op, pairs, their FLOPs) at the start of calibrate's window
         self._cpu_mark: tuple[float, int, float] | None = None
         # without link / GPU rates every expert stays on the CPU whatever the counts: count nothing
@@ -218,12 +250,23 @@ class Replanner:
         """Start a new window for ``calibrate``."""
         self._cpu_mark = self._cpu_totals()
 
+    @property
+    def trying(self) -> bool:
+        """A trial is under way: the split may still change (the bench keeps warming up)."""
+        return self._trial is not None
+
     def step(self, global_step: int) -> bool:
         """Called after each optimizer step; returns True when the split changed."""
+        now = time.perf_counter()
+        step_s = now - self._t_last if self._t_last is not None else None
+        self._t_last = now
+        if self._trial is not None:
+            return self._trial_step(step_s)
         if self.active and global_step == 1:
             self.mark_cpu()  # the first step warms up (allocations, page faults): not counted
-        if self.active and global_step == CALIBRATE_AFTER and self.calibrate():
-            return True
+        if self.active and global_step == CALIBRATE_AFTER:
+            changed = self.calibrate()
+            return self._start_trial() or changed
         if not self.active or self.every <= 0 or global_step % self.every:
             return False
         if global_step > CALIBRATE_AFTER and self.calibrate():
@@ -238,19 +281,97 @@ class Replanner:
             return False
         return self.replan(counts, drift)
 
-    def replan(
-        self, counts: dict[int, list[float]], drift: float = float("nan"), reason: str | None = None
-    ) -> bool:
-        """Plan again with ``counts`` as popularity (a layer without: uniform) and move each layer's
-        resident and streamed experts."""
+    def _planning_rates(self, cpu_last_resort: bool | None = None) -> Rates:
+        rates = self.ctx.rates
+        last = self.cpu_last_resort if cpu_last_resort is None else cpu_last_resort
+        if last and rates.cpu_flops:
+            return dataclasses.replace(rates, cpu_flops=rates.cpu_flops * CPU_LAST_RESORT)
+        return rates
+
+    def _specs(self) -> dict[int, tuple]:
+        return {e.layer: (e.gpu_experts, e.stream_experts) for e in auto_layers(self.ctx.plan)}
+
+    def _apply(self, specs: dict[int, tuple]) -> int:
+        """Write ``specs`` (layer -> (gpu_experts, stream_experts)) into the plan and move the
+        layers whose split differs from the one they run (``_applied``); returns how many moved."""
+        changed = 0
+        for e in auto_layers(self.ctx.plan):
+            if e.layer not in specs:
+                continue
+            e.gpu_experts, e.stream_experts = specs[e.layer]
+            m = self.modules.get(e.layer)
+            if m is None or self._applied.get(e.layer) == specs[e.layer]:
+                continue
+            resident = e.gpu_experts.ids if e.gpu_experts is not None else ()
+            streamed = e.stream_experts.ids if e.stream_experts is not None else ()
+            m.set_placement(resident, streamed)
+            self._applied[e.layer] = specs[e.layer]
+            changed += 1
+        return changed
+
+    def _mixed_layers(self) -> int:
+        """Layers with experts both on the CPU and on the GPU under the current split."""
+        n = 0
+        for e in auto_layers(self.ctx.plan):
+            m = self.modules.get(e.layer)
+            on_gpu = sum(len(s.ids) for s in (e.gpu_experts, e.stream_experts) if s is not None)
+            if m is not None and 0 < on_gpu < m.num_experts:
+                n += 1
+        return n
+
+    def _start_trial(self) -> bool:
+        """Begin the trial (module doc) when the split mixes CPU and GPU experts in a layer and the
+        GPU-only split differs; returns False (the split does not change before the first timing)."""
+        if not self.active or self.cpu_last_resort or not self._mixed_layers():
+            return False
+        ours = dict(self._applied)
+        ours_choice = self.last_choice
+        alt_choice = self._plan(dict(self.planned_with), cpu_last_resort=True)
+        alt = self._specs()
+        self._apply(ours)  # _plan wrote the alternative into the plan: ours again until it is tried
+        if alt == ours:
+            return False
+        self._trial = _Trial([ours, alt], [ours_choice, alt_choice])
+        return False
+
+    def _trial_step(self, step_s: float | None) -> bool:
+        """One step of the trial (``step_s``: the step just finished, under the current candidate);
+        returns True when the split changed."""
+        tr = self._trial
+        assert tr is not None
+        if tr.settle:
+            tr.settle = False
+        elif step_s is not None:
+            tr.times[tr.current].append(step_s)
+        if len(tr.times[tr.current]) < TRIAL_STEPS:
+            return False
+        if tr.current == 0:  # the planner's split measured: now the GPU-only one
+            tr.current, tr.settle = 1, True
+            return self._apply(tr.splits[1]) > 0
+        ours, alt = (min(t) for t in tr.times)
+        keep = 1 if alt < ours * (1 - TRIAL_MARGIN) else 0
+        self._trial = None
+        self.trial_note = (
+            f"measured the planner's split {ours * 1e3:.0f} ms a step, every expert the GPU can take "
+            f"{alt * 1e3:.0f} ms: kept {'the GPU-only split' if keep else 'the planner' + chr(39) + 's split'}"
+        )
+        logger.info(f"placement: auto: {self.trial_note}")
+        if keep:
+            self.cpu_last_resort = True
+            self.last_choice = tr.choices[1]
+            return False  # already in place
+        self.last_choice = tr.choices[0]
+        return self._apply(tr.splits[0]) > 0
+
+    def _plan(self, counts: dict[int, list[float]], cpu_last_resort: bool | None = None) -> Choice | None:
+        """Run the planner (it writes the plan's specs; nothing moves)."""
         ctx = self.ctx
-        before = {e.layer: (e.gpu_experts, e.stream_experts) for e in auto_layers(ctx.plan)}
-        self.last_choice = plan_auto(
+        return plan_auto(
             ctx.model,
             ctx.plan,
             ctx.dtype,
             ctx.sizes,
-            ctx.rates,
+            self._planning_rates(cpu_last_resort),
             ctx.cap_bytes,
             popularity=counts,
             expert_budget_bytes=ctx.expert_budget_bytes,
@@ -258,15 +379,14 @@ class Replanner:
             # the expert LoRA stays where the run put it (``moe/patch.py``): count what is on the GPU
             lora_on_gpu={layer: m.lora_on_device for layer, m in self.modules.items()},
         )
-        changed = 0
-        for e in auto_layers(ctx.plan):
-            m = self.modules.get(e.layer)
-            if m is None or before.get(e.layer) == (e.gpu_experts, e.stream_experts):
-                continue
-            resident = e.gpu_experts.ids if e.gpu_experts is not None else ()
-            streamed = e.stream_experts.ids if e.stream_experts is not None else ()
-            m.set_placement(resident, streamed)
-            changed += 1
+
+    def replan(
+        self, counts: dict[int, list[float]], drift: float = float("nan"), reason: str | None = None
+    ) -> bool:
+        """Plan again with ``counts`` as popularity (a layer without: uniform) and move each layer's
+        resident and streamed experts."""
+        self.last_choice = self._plan(counts)
+        changed = self._apply(self._specs())
         self.planned_with.update(counts)
         self.replans += 1
         why = reason or f"routing counts (largest drift {drift:.3f} > {self.threshold})"
