@@ -11,8 +11,11 @@ scale; uniform when unknown) and pairs_e = T·k·p_e / Σp:
   LoRA forward, input- and weight-gradients; the CPU op runs its forward once per step even
   under gradient checkpointing, see ``moe/function.py``)
 * link: link_s = passes · n_streamed · expert_bytes / link_bytes_s + act_bytes / link_bytes_s
-  (passes = 2: the forward and the checkpointed recompute each fetch the layer; act_bytes: the
-  CPU part's input, output and their gradients, T·H each, when the CPU computes any pair)
+  (passes: the forward and the checkpointed recompute each fetch the layer, except where the
+  buffers still hold it: at the turn the last two layers of the forward, at the next step's
+  start the first two of the backward (``moe/streamed.py``), so L streaming layers cross
+  2·L - 2·STREAM_BUFFERS times a step: ``link_passes``; act_bytes: the CPU part's input, output
+  and their gradients, T·H each, when the CPU computes any pair)
 * GPU:  gpu_s  = Σ_{e on GPU} pairs_e · (pair_flops + fwd_flops) / gpu_expert_flops
   (fwd_flops = 6·H·I + 6·r·(H + I): the GPU part's forward is recomputed under checkpointing)
 
@@ -35,6 +38,15 @@ from dataclasses import dataclass, field
 
 PASSES = 2  # times a streamed layer's weights cross the link per step (forward + recompute)
 STREAM_BUFFERS = 2  # layers of stream buffers on the GPU (one computing, one filling)
+
+
+def link_passes(stream_layers: int) -> float:
+    """Average crossings a step of one streamed layer's weights when ``stream_layers`` layers
+    stream: 2 (forward, recompute) less the reuses at the turn and at the step's start
+    (``STREAM_BUFFERS`` layers each), spread over the layers. 48 layers: 1.92; 4: 1; 2: 0."""
+    if stream_layers <= 0:
+        return float(PASSES)
+    return max(0.0, PASSES - PASSES * STREAM_BUFFERS / stream_layers)
 
 
 @dataclass(frozen=True)
@@ -142,14 +154,16 @@ def times_from_pairs(
     cpu_pairs: float,
     gpu_pairs: float,
     n_streamed: int,
+    passes: float = PASSES,
 ) -> LayerTimes:
-    """The per-resource times of one layer from its pair counts and its number of streamed experts."""
+    """The per-resource times of one layer from its pair counts and its number of streamed experts
+    (``passes``: crossings a step of its streamed weights, ``link_passes``)."""
     cpu_s = 0.0
     if cpu_pairs > 0:
         if rates.cpu_flops is None:
             raise ValueError("the CPU computes experts but the CPU rate is unknown")
         cpu_s = cpu_pairs * shape.pair_flops(rank) / rates.cpu_flops
-    link_bytes = PASSES * n_streamed * shape.expert_bytes
+    link_bytes = passes * n_streamed * shape.expert_bytes
     if cpu_pairs > 0 and rates.link_bytes_s is not None:
         # forward: input to the CPU, output back (fp32 when the GPU adds its share); backward: the
         # incoming gradient to the CPU, the input gradient back
@@ -175,13 +189,14 @@ def layer_times(
     rank: int,
     tokens: int,
     popularity: Sequence[float] | None = None,
+    passes: float = PASSES,
 ) -> LayerTimes:
     """Predicted seconds per step on each resource for one MoE layer under ``split``."""
     pairs = pairs_per_expert(shape, popularity, tokens)
     on_gpu = set(split.resident) | set(split.streamed)
     gpu_pairs = sum(pairs[e] for e in on_gpu)
     cpu_pairs = sum(p for e, p in enumerate(pairs) if e not in on_gpu)
-    return times_from_pairs(shape, rates, rank, tokens, cpu_pairs, gpu_pairs, len(split.streamed))
+    return times_from_pairs(shape, rates, rank, tokens, cpu_pairs, gpu_pairs, len(split.streamed), passes)
 
 
 def non_expert_flops(
@@ -271,12 +286,17 @@ def predict(
     tokens: int,
     nonexpert_flops: float = 0.0,
     popularity: Sequence[Sequence[float] | None] | None = None,
+    stream_layers: int | None = None,
 ) -> Prediction:
-    """Per-layer times, step time and expert GPU memory of ``splits`` (one per MoE layer)."""
+    """Per-layer times, step time and expert GPU memory of ``splits`` (one per MoE layer).
+    ``stream_layers``: layers streaming in the run (``link_passes``; None: those of ``splits``)."""
     if len(shapes) != len(splits):
         raise ValueError(f"{len(shapes)} layer shapes but {len(splits)} splits")
     pops = popularity or [None] * len(shapes)
-    times = [layer_times(sh, s, rates, rank, tokens, p) for sh, s, p in zip(shapes, splits, pops)]
+    if stream_layers is None:
+        stream_layers = sum(1 for s in splits if s.streamed)
+    passes = link_passes(stream_layers)
+    times = [layer_times(sh, s, rates, rank, tokens, p, passes) for sh, s, p in zip(shapes, splits, pops)]
     nonexpert_s = nonexpert_flops / rates.gpu_flops if rates.gpu_flops else 0.0
     res, buf, act = expert_gpu_bytes(shapes, splits, tokens, popularity)
     return Prediction(times, nonexpert_s, res, buf, act)

@@ -29,6 +29,7 @@ from .cost import (
     LayerSplit,
     Prediction,
     Rates,
+    link_passes,
     pairs_per_expert,
     predict,
     times_from_pairs,
@@ -84,8 +85,8 @@ class _StreamSearch:
     Memoised per (layer class, r) as running minima over s, so layers with the same shape and
     ranked pairs (every layer, with uniform popularity) share the work."""
 
-    def __init__(self, rates: Rates, rank: int, tokens: int) -> None:
-        self.rates, self.rank, self.tokens = rates, rank, tokens
+    def __init__(self, rates: Rates, rank: int, tokens: int, passes: float) -> None:
+        self.rates, self.rank, self.tokens, self.passes = rates, rank, tokens, passes
         self._memo: dict[tuple, list[tuple[int, float]]] = {}
 
     def best(self, key, shape: LayerShape, prefix: list[float], r: int, s_max: int) -> tuple[int, float]:
@@ -95,7 +96,7 @@ class _StreamSearch:
             s = len(run)
             gpu_pairs = prefix[r + s]
             t = times_from_pairs(
-                shape, self.rates, self.rank, self.tokens, total - gpu_pairs, gpu_pairs, s
+                shape, self.rates, self.rank, self.tokens, total - gpu_pairs, gpu_pairs, s, self.passes
             ).seconds
             run.append((s, t) if not run or t < run[-1][1] * (1 - _REL_TIE) else run[-1])
         return run[s_max]
@@ -170,7 +171,9 @@ def choose_splits(
     max_e = max(sh.num_experts for sh in shapes)
     max_b = max(sh.expert_bytes for sh in shapes)
 
-    search = _StreamSearch(rates, rank, tokens)
+    # the link crossings of a streamed layer as in the real model (every layer may stream: under a
+    # cap that streams at all, nearly every layer does), its depth len(inputs) x layer_scale
+    search = _StreamSearch(rates, rank, tokens, link_passes(round(len(inputs) * layer_scale)))
     classes: dict[tuple, int] = {}
     keys = [classes.setdefault((sh, tuple(pre)), len(classes)) for sh, pre in zip(shapes, prefixes)]
     lora_bytes = [
