@@ -142,9 +142,8 @@ CALIBRATE_TOLERANCE = 1.25  # re-plan when the CPU op's rate in the run is off b
 MAX_CALIBRATIONS = 2  # CPU rate replacements per run (its rate differs with the CPU's share: no ping-pong)
 TRIAL_STEPS = 2  # timed steps per split in the trial, each after one settling step (new buffers, pinning)
 TRIAL_MARGIN = 0.03  # the GPU-only split is kept when its step is faster by more than this fraction
-CPU_LAST_RESORT = (
-    1e-6  # CPU rate factor that makes the planner put experts on the CPU only when nothing else fits
-)
+# CPU rate factor that makes the planner put experts on the CPU only where nothing else fits
+CPU_LAST_RESORT = 1e-6
 
 
 @dataclass
@@ -266,7 +265,8 @@ class Replanner:
             self.mark_cpu()  # the first step warms up (allocations, page faults): not counted
         if self.active and global_step == CALIBRATE_AFTER:
             changed = self.calibrate()
-            return self._start_trial() or changed
+            self._start_trial()  # the split it tries first is the one running now
+            return changed
         if not self.active or self.every <= 0 or global_step % self.every:
             return False
         if global_step > CALIBRATE_AFTER and self.calibrate():
@@ -319,20 +319,18 @@ class Replanner:
                 n += 1
         return n
 
-    def _start_trial(self) -> bool:
+    def _start_trial(self) -> None:
         """Begin the trial (module doc) when the split mixes CPU and GPU experts in a layer and the
-        GPU-only split differs; returns False (the split does not change before the first timing)."""
+        GPU-only split differs; nothing moves before the running split has been timed."""
         if not self.active or self.cpu_last_resort or not self._mixed_layers():
-            return False
+            return
         ours = dict(self._applied)
         ours_choice = self.last_choice
         alt_choice = self._plan(dict(self.planned_with), cpu_last_resort=True)
         alt = self._specs()
         self._apply(ours)  # _plan wrote the alternative into the plan: ours again until it is tried
-        if alt == ours:
-            return False
-        self._trial = _Trial([ours, alt], [ours_choice, alt_choice])
-        return False
+        if alt != ours:
+            self._trial = _Trial([ours, alt], [ours_choice, alt_choice])
 
     def _trial_step(self, step_s: float | None) -> bool:
         """One step of the trial (``step_s``: the step just finished, under the current candidate);
@@ -351,9 +349,10 @@ class Replanner:
         ours, alt = (min(t) for t in tr.times)
         keep = 1 if alt < ours * (1 - TRIAL_MARGIN) else 0
         self._trial = None
+        kept = "the GPU-only split" if keep else "the planner's split"
         self.trial_note = (
             f"measured the planner's split {ours * 1e3:.0f} ms a step, every expert the GPU can take "
-            f"{alt * 1e3:.0f} ms: kept {'the GPU-only split' if keep else 'the planner' + chr(39) + 's split'}"
+            f"{alt * 1e3:.0f} ms: kept {kept}"
         )
         logger.info(f"placement: auto: {self.trial_note}")
         if keep:
