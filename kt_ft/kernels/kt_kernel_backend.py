@@ -168,10 +168,10 @@ class KTKernelBackend(ExpertBackend):
         grad_x, grad_w = self._wrapper.backward(grad_out.to(BF16).contiguous())
         grad_w = grad_w.float().view(ctx.weights.shape)
         if bool((ctx.ids < 0).any()):
-            # masked pairs (GPU-resident experts, id -1, weight 0): UNTESTED with kt-kernel (its AMX
-            # build cannot run on the CPU-only CI). kt-kernel's own inference path marks skipped slots
-            # with -1 (experts_base.py); that its SFT kernel skips them too is assumed, not checked:
-            # the GPU machine's test_kt_kernel.py must check it before gpu_experts is used with it.
+            # masked pairs (experts on the GPU, id -1, weight 0): the SFT kernel skips them as its
+            # inference path does (test_kt_kernel.py::test_kt_kernel_skips_masked_pairs, on the GPU
+            # machine: the AMX build cannot run on the CPU-only CI); their weight gradients are zeroed
+            # here all the same.
             grad_w = grad_w.masked_fill(ctx.ids < 0, 0)
         return (
             grad_x.float(),
