@@ -20,7 +20,7 @@ THREADS=${THREADS:-$(nproc)}
   python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
   python3 -c "import kt_kernel; print('kt_kernel variant', kt_kernel.__cpu_variant__)"
 } 2>&1 | tee "$OUT/env.txt"
-PARTS=${PARTS:-tests,op,step}  # also: overlap, placement, probe
+PARTS=${PARTS:-tests,op,step}  # also: overlap, placement, probe, qprobe
 # TESTS: other test files / node ids, TEST_K: a pytest -k expression (e.g. TEST_K=cuda)
 TESTS=${TESTS:-tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_grouped_device.py tests/test_loading.py tests/test_load_memory.py}
 # shellcheck disable=SC2086
@@ -39,8 +39,10 @@ for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/step-$preset.log"
 done
 # issue 7: per-expert GEMM loop vs batched / prepacked formulations of the op's big products
-[[ $PARTS == *probe* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/bmm_probe.py --tokens "${PROBE_TOKENS:-2048,4096}" \
+[[ ",$PARTS," == *,probe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/bmm_probe.py --tokens "${PROBE_TOKENS:-2048,4096}" \
   --threads "$THREADS" 2>&1 | tee "$OUT/bmm_probe.log"
+[[ ",$PARTS," == *,qprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/q_probe.py --threads "$THREADS" 2>&1 \
+  | tee "$OUT/q_probe.log"
 # shared experts beside the CPU op (kt_ft/moe/beside.py): the same kt-ft step with the overlap off / on
 for ov in 0 1; do
   [[ $PARTS == *overlap* ]] && KT_FT_OVERLAP_SHARED=$ov timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft.cli bench \
