@@ -44,7 +44,8 @@ EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LORA_RANK, LORA_ALPHA = 8, 16
 SYSTEMS = ("kt-ft", "peft-gpu", "offload")  # a worker's --system
 # the step part's --systems: also kt-ft with every expert streamed (a kt-ft worker, --placement stream)
-STEP_SYSTEMS = ("kt-ft", "kt-ft-stream", "peft-gpu", "offload")
+# and kt-ft with ``placement: auto`` under the offload run's GPU memory cap (--placement auto)
+STEP_SYSTEMS = ("kt-ft", "kt-ft-stream", "kt-ft-auto", "peft-gpu", "offload")
 
 # (transformers model_type, config of the real model with `num_hidden_layers` = the real count)
 MODEL_CONFIGS: dict[str, tuple[str, dict]] = {
@@ -275,6 +276,8 @@ def _profile_step(model, ids, opt, path: Path, cuda: bool) -> None:
         _train_step(model, ids, opt, cuda)
     table = prof.key_averages()
     path.parent.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("KT_FT_BENCH_TRACE", "0") == "1":  # the timeline too (chrome://tracing, Perfetto)
+        prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
     text = table.table(sort_by="self_cpu_time_total", row_limit=40)
     if cuda:
         text += "\n" + table.table(sort_by="self_cuda_time_total", row_limit=25)
@@ -328,7 +331,9 @@ def worker(args: argparse.Namespace) -> StepRecord:
 
     runners = [m.runner for m in model.modules() if isinstance(m, KTExperts)]
     replanner, warmup = None, args.warmup
-    if placement is not None and placement.ctx is not None and placement.ctx.rates.has_gpu:
+    # KT_FT_BENCH_REPLAN=0: time the planner's first split as it is (no calibration, no trial)
+    replan = os.environ.get("KT_FT_BENCH_REPLAN", "1") != "0"
+    if replan and placement is not None and placement.ctx is not None and placement.ctx.rates.has_gpu:
         # as a run does (``placement/runtime.py``): after a few steps the CPU op's rate in the run
         # replaces the measured one when they differ; those steps are warm-up, plus one for a new split
         from .placement.runtime import CALIBRATE_AFTER, Replanner
@@ -423,6 +428,8 @@ def run_step(
             jobs.extend(("kt-ft", b, None) for b in backends)
         elif s == "kt-ft-stream":  # every expert streamed: the CPU backend does not matter
             jobs.append(("kt-ft", backends[0] if backends else "auto", "stream"))
+        elif s == "kt-ft-auto":  # the planner's split under offload's cap; CPU share: kt_backend auto
+            jobs.append(("kt-ft", "auto", "auto"))
         else:
             jobs.append((s, "", None))
     records: list[StepRecord] = []
@@ -471,6 +478,10 @@ def _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeo
                    "--steps", str(steps), "--gpu-cap-gib", f"{gpu_cap_gib:g}", "--out", str(out)]  # fmt: skip
             if placement is not None:
                 cmd += ["--placement", placement]
+            if placement == "auto":  # the experts' share of the cap, for the full model (bench_placement.py)
+                from .bench_placement import expert_budget
+
+                cmd += ["--expert-budget", str(expert_budget(preset, gpu_cap_gib, seq))]
             rec = run_one(cmd, out, f"{system} {placement or backend}", timeout_s)
             if rec is not None:
                 records.append(rec)

@@ -237,9 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--systems",
-        default="kt-ft,kt-ft-stream,peft-gpu,offload",
+        default="kt-ft,kt-ft-stream,kt-ft-auto,peft-gpu,offload",
         help="full-step systems: kt-ft (each CPU backend), kt-ft-stream (every expert streamed to the GPU), "
-        "peft-gpu, offload",
+        "kt-ft-auto (placement: auto under --gpu-cap, the offload run's cap), peft-gpu, offload",
     )
     bench.add_argument(
         "--layers", default=None, help="decoder layers in the full step, comma-separated counts (default 4)"

@@ -21,6 +21,9 @@ THREADS=${THREADS:-$(nproc)}
   python3 -c "import kt_kernel; print('kt_kernel variant', kt_kernel.__cpu_variant__)"
 } 2>&1 | tee "$OUT/env.txt"
 PARTS=${PARTS:-tests,op,step}  # also: overlap, placement, probe, qprobe
+# env: SEQ, THREADS; placement: CAPS, PLACEMENTS, PLACEMENT_LAYERS, PLACEMENT_SYSTEMS (peft-gpu; kt-ft: without it),
+# PROFILE_DIR; step: STEP_LAYERS, SYSTEMS, BACKENDS, STEP_PRESETS; KT_FT_BENCH_REPLAN=0 / KT_FT_BENCH_TRACE=1
+# pass through to the bench workers (kt_ft/bench_step.py)
 # TESTS: other test files / node ids, TEST_K: a pytest -k expression (e.g. TEST_K=cuda)
 TESTS=${TESTS:-tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_grouped_device.py tests/test_loading.py tests/test_load_memory.py}
 # shellcheck disable=SC2086
@@ -29,13 +32,15 @@ TESTS=${TESTS:-tests/test_kernels.py tests/test_parity.py tests/test_gpu.py test
 # issue 8: tokens/s against the GPU memory cap for all-CPU, all-streamed, auto and all-GPU, predicted beside measured
 [[ $PARTS == *placement* ]] && KT_FT_BENCH_PROFILE=${PROFILE_DIR:-$OUT/prof} timeout "${PLACEMENT_TIMEOUT:-580}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" \
   --parts placement --layers "${PLACEMENT_LAYERS:-4}" --seq "${SEQ:-2048}" --threads "$THREADS" --caps "${CAPS:-24,38,80}" \
+  --placements "${PLACEMENTS:-cpu,auto,stream}" --systems "${PLACEMENT_SYSTEMS:-peft-gpu}" \
   --json "$OUT/placement.json" --plot "$OUT/placement.png" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|run/s\]$" | tee "$OUT/placement.log"
 [[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --parts op \
   --tokens "${TOKENS:-512,2048,4096}" --threads "$THREADS" --repeat 2 --json "$OUT/bench.json" 2>&1 \
   | tr '\r' '\n' | grep -v "it/s\]$\|case/s\]$" | tee "$OUT/bench.log"
 for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
   [[ $PARTS == *step* ]] && timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "$preset" --parts step \
-    --layers "${STEP_LAYERS:-2,4}" --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/step-$preset.json" 2>&1 \
+    --layers "${STEP_LAYERS:-2,4}" --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/step-$preset.json" \
+    --systems "${SYSTEMS:-kt-ft,kt-ft-stream,kt-ft-auto,peft-gpu,offload}" ${BACKENDS:+--backends "$BACKENDS"} 2>&1 \
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/step-$preset.log"
 done
 # issue 7: per-expert GEMM loop vs batched / prepacked formulations of the op's big products
@@ -50,4 +55,6 @@ for ov in 0 1; do
     --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/overlap-$ov.json" 2>&1 \
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/overlap-$ov.log"
 done
+# profiles (KT_FT_BENCH_PROFILE; KT_FT_BENCH_TRACE=1 adds timelines) as one file: $OUT returns at most 8
+if [[ -d $OUT/prof ]]; then tar -czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"; fi
 exit 0
