@@ -140,10 +140,15 @@ def build_model_dir(preset: str, layers: int, out: Path, seed: int = 0) -> tuple
     torch.manual_seed(seed)
     with torch.device("meta"):
         n_full = sum(p.numel() for p in AutoModelForCausalLM.from_config(full).parameters())
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    # random init on the GPU where there is one: on the CPU it takes minutes for a dozen
+    # Qwen3-30B-A3B layers (save_pretrained copies the tensors back); every system loads this file
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
     model.save_pretrained(out)
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the workers (own processes) get the whole GPU
     assert real_layers >= layers
     return out, n / n_full
 
