@@ -207,6 +207,28 @@ def test_lora_on_the_device_trains_like_all_cpu(gpu_rule, tmp_path, monkeypatch,
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
 
 
+def test_lora_gradients_return_for_the_cpu_experts_rows_only(gpu_rule, monkeypatch):
+    """``_LoraToHost``'s backward sends the CPU op's LoRA gradient back for the CPU experts' rows
+    (the device experts' rows are the device path's: zero from the CPU op), on fresh random
+    gradients: equal there (bitwise: a copy), zero elsewhere."""
+    import kt_ft.moe.patch as patch_mod
+    from kt_ft.moe.experts import _LoraToHost
+
+    monkeypatch.setattr(patch_mod, "lora_home", lambda device, all_on_device: torch.device("cpu"))
+    m = kt_layers(build(gpu_rule))[1]
+    dev = m.device_experts
+    assert m.lora_on_device and dev.cpu_follows
+    params = [p for p in m.lora_tensors()]
+    mirrors = _LoraToHost.apply(m, *params)
+    grads = [torch.randn_like(t) for t in mirrors]
+    got = torch.autograd.grad(mirrors, params, grads)
+    cpu_rows = dev.cpu_ids()
+    assert sorted(cpu_rows.tolist() + list(dev.ids)) == list(range(m.num_experts))
+    for g, ref in zip(got, grads):
+        assert torch.equal(g[cpu_rows], ref[cpu_rows])
+        assert not g[list(dev.ids)].any()
+
+
 def test_lora_home_is_the_gpu_only_for_layers_with_gpu_experts_in_one_process(monkeypatch):
     from kt_ft.moe.patch import lora_home
 

@@ -68,6 +68,20 @@ class DeviceExperts:
         self._lora_dev: list[torch.Tensor] | None = None
         self.lora_copies = 0  # host -> device copies of the LoRA rows (a test counts them)
         self.cpu_follows = len(self.ids) < self.num_experts  # False: the CPU op is skipped entirely
+        on_device = set(self.ids)
+        self._cpu_ids = {
+            torch.device("cpu"): torch.tensor(
+                [e for e in range(self.num_experts) if e not in on_device], dtype=torch.long
+            )
+        }
+
+    def cpu_ids(self, device: torch.device | None = None) -> torch.Tensor:
+        """[E - len(ids)] int64, sorted: the experts the CPU op computes (on ``device``, default
+        the CPU; one copy kept per device)."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if device not in self._cpu_ids:
+            self._cpu_ids[device] = self._cpu_ids[torch.device("cpu")].to(device)
+        return self._cpu_ids[device]
 
     def begin(self, device: torch.device) -> None:
         """The layer's forward starts on ``device``: resident weights there (once), the streamed

@@ -39,6 +39,7 @@ from .device_experts import DeviceExperts
 from .function import CPUExpertsFunction, ExpertRunner
 from .resident import ResidentExperts
 from .streamed import StreamedExperts, StreamScheduler
+from .transfer import STAGING
 
 CPU = torch.device("cpu")
 
@@ -242,13 +243,31 @@ class KTExperts(nn.Module):
 
 class _LoraToHost(torch.autograd.Function):
     """apply(kt_experts, *six device LoRA params) -> their CPU mirror (``KTExperts.host_lora``);
-    backward: the CPU op's LoRA gradients back to the parameters' device."""
+    backward: the CPU op's LoRA gradients back to the parameters' device.
+
+    Only the CPU experts' rows go back: the CPU op's gradient is zero on every other row (their
+    pairs are masked), so a layer with c of E experts on the CPU sends c/E of the bytes, through
+    the pinned staging buffers (``transfer.py``: non-blocking; a pageable copy of the full
+    [E, ...] fp32 gradients took ~14 ms a layer on the GPU machine); the rest is zeros there."""
 
     @staticmethod
     def forward(ctx, kt, *params):
         ctx.device = params[0].device
+        dev = kt.device_experts
+        ctx.dev = dev if dev is not None and dev.cpu_follows else None  # None: every row goes back
         return tuple(t.detach() for t in kt.host_lora(LoraTensors(*params)))
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, *(None if g is None else g.to(ctx.device) for g in grads)
+        out = []
+        for i, g in enumerate(grads):
+            if g is None:
+                out.append(None)
+            elif ctx.dev is None:
+                out.append(STAGING.to_device(g, ctx.device, g.dtype, f"lora_grad_{i}"))
+            else:
+                cpu_rows = ctx.dev.cpu_ids()
+                rows = STAGING.to_device(g.index_select(0, cpu_rows), ctx.device, g.dtype, f"lora_grad_{i}")
+                full = torch.zeros(g.shape, dtype=g.dtype, device=ctx.device)
+                out.append(full.index_copy_(0, ctx.dev.cpu_ids(ctx.device), rows))
+        return None, *out
