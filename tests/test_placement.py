@@ -190,3 +190,39 @@ def test_layers_with_gpu_experts_count_their_expert_lora_state():
     assert sum(len(s.resident) for s in c.splits) == 24
     c = choose_splits(layers(8), FAST, 1, T, lora_state_bytes=16, lora_fixed=[False] * 8, **kw)
     assert c.splits == [LayerSplit((0, 1, 2, 3), ())] * 8
+
+
+def test_resident_layers_are_spread_through_the_depth(monkeypatch):
+    """When the split streams, interchangeable layers (same shape and popularity) exchange their
+    counts so the resident ones are evenly spaced (``planner._spread``): the same prediction and
+    GPU memory as the first-layers order (``KT_FT_SPREAD_RESIDENT=0``), resident layers 1, 4, 7,
+    10 of 12 for 4 whole layers' worth, the partly resident layer amid the free positions."""
+
+    def plan(extra, spread, ins=None):
+        monkeypatch.setenv("KT_FT_SPREAD_RESIDENT", "1" if spread else "0")
+        return choose_splits(ins or layers(12), FAST, 0, T, budget_bytes=ACT + extra * B)
+
+    full, part, streamed = (
+        LayerSplit((0, 1, 2, 3), ()),
+        LayerSplit((0, 1), (2, 3)),
+        LayerSplit((), (0, 1, 2, 3)),
+    )
+    for extra in (24, 26):
+        a, b = plan(extra, True), plan(extra, False)
+        assert a.prediction.step_s == pytest.approx(b.prediction.step_s)
+        assert a.prediction.expert_gpu_bytes == b.prediction.expert_gpu_bytes
+        assert sorted(a.splits, key=repr) == sorted(b.splits, key=repr)  # the same counts, moved
+        assert b.splits[:4] == [full] * 4  # first-layers order
+    assert [i for i, s in enumerate(plan(24, True).splits) if s == full] == [1, 4, 7, 10]
+    c = plan(26, True).splits
+    assert [i for i, s in enumerate(c) if s == full] == [1, 4, 7, 10] and c[6] == part
+    assert all(s == streamed for i, s in enumerate(c) if i not in (1, 4, 6, 7, 10))
+    # layers with other popularity are not interchangeable: they keep what the planner gave them
+    ins = layers(12)
+    ins[0] = PlannerInput(0, SHAPE, [5, 1, 1, 1])
+    a, b = plan(24, True, ins), plan(24, False, ins)
+    assert a.splits[0] == b.splits[0] and a.prediction.step_s == pytest.approx(b.prediction.step_s)
+    # no streaming (resident + CPU): nothing to overlap, the first-layers order stays
+    monkeypatch.setenv("KT_FT_SPREAD_RESIDENT", "1")
+    c = choose_splits(layers(8), FAST, 0, T, budget_bytes=ACT + 8 * B, allow_stream=False)
+    assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 2 + [()] * 6

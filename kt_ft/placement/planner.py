@@ -14,12 +14,23 @@ global order (most routed pairs first, then lower layer, then lower id) until th
 fit; then each layer takes the s <= min(S, E - r) that minimises max(cpu, link, gpu) (ties: the
 smaller s). The S with the smallest predicted step wins (ties: the smaller S, less memory).
 Deterministic for the same inputs.
+
+Where the resident layers sit. When a split streams, layers that the model cannot tell apart
+(same shape, same ranked pairs, same LoRA home: every layer under uniform popularity) exchange
+their (resident, streamed) counts so that the most-resident layers are spread evenly through
+the depth (``_spread``) instead of filling the first layers: the same predicted time and memory,
+but in the backward a resident layer's GPU work then runs while the next streamed layer's
+weights cross the link, where with the resident layers first the streamed ones wait for the link
+back to back (the forward, ~1/4 of the GPU work under checkpointing, waits for the link either
+way). ``KT_FT_SPREAD_RESIDENT=0`` keeps the first-layers order (for comparison).
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,6 +111,36 @@ class _StreamSearch:
             ).seconds
             run.append((s, t) if not run or t < run[-1][1] * (1 - _REL_TIE) else run[-1])
         return run[s_max]
+
+
+def _spread(
+    splits: list[LayerSplit], classes: Sequence, ranked: list[tuple[list[int], list[float]]]
+) -> list[LayerSplit]:
+    """``splits`` with the (resident, streamed) counts of each class of interchangeable layers
+    (``classes[i]``: equal for layers the cost model cannot tell apart) redistributed over the
+    class's layers: the largest resident counts first, each count's layers evenly spaced among
+    the positions still free (q-th of n at free[floor((q + 1/2) m / n)], m free), the rest in
+    the remaining positions. Each layer takes its own most popular experts for its counts."""
+    out = list(splits)
+    members: dict = {}
+    for i, c in enumerate(classes):
+        members.setdefault(c, []).append(i)
+    for group in members.values():
+        if len(group) < 2:
+            continue
+        counts = sorted(
+            ((len(splits[i].resident), len(splits[i].streamed)) for i in group), key=lambda c: (-c[0], c[1])
+        )
+        free = list(group)  # depth order
+        for (r, s), same in itertools.groupby(counts):
+            n, m = len(list(same)), len(free)
+            picks = [free[int((q + 0.5) * m / n)] for q in range(n)]
+            for i in picks:
+                ids = ranked[i][0]
+                out[i] = LayerSplit(tuple(sorted(ids[:r])), tuple(sorted(ids[r : r + s])))
+            taken = set(picks)
+            free = [i for i in free if i not in taken]
+    return out
 
 
 def choose_splits(
@@ -226,4 +267,8 @@ def choose_splits(
         return done(all_cpu)
     if not allow_stream:
         notes.append("streamed experts are not available in this version: resident or CPU only")
-    return done(best[2])
+    splits = best[2]
+    if any(s.streamed for s in splits) and os.environ.get("KT_FT_SPREAD_RESIDENT", "1") != "0":
+        fixed = lora_fixed if lora_fixed is not None else [None] * len(inputs)
+        splits = _spread(splits, list(zip(keys, fixed)), ranked)
+    return done(splits)
