@@ -68,12 +68,8 @@ class DeviceExperts:
         self._lora_dev: list[torch.Tensor] | None = None
         self.lora_copies = 0  # host -> device copies of the LoRA rows (a test counts them)
         self.cpu_follows = len(self.ids) < self.num_experts  # False: the CPU op is skipped entirely
-        on_device = set(self.ids)
-        self._cpu_ids = {
-            torch.device("cpu"): torch.tensor(
-                [e for e in range(self.num_experts) if e not in on_device], dtype=torch.long
-            )
-        }
+        # device -> the CPU op's expert ids there (``cpu_ids``)
+        self._cpu_ids = {torch.device("cpu"): (self._local_cpu < 0).nonzero().flatten()}
 
     def cpu_ids(self, device: torch.device | None = None) -> torch.Tensor:
         """[E - len(ids)] int64, sorted: the experts the CPU op computes (on ``device``, default

@@ -259,15 +259,16 @@ class _LoraToHost(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        out = []
+        dev, out = ctx.dev, []
         for i, g in enumerate(grads):
             if g is None:
                 out.append(None)
-            elif ctx.dev is None:
+            elif dev is None:
                 out.append(STAGING.to_device(g, ctx.device, g.dtype, f"lora_grad_{i}"))
             else:
-                cpu_rows = ctx.dev.cpu_ids()
-                rows = STAGING.to_device(g.index_select(0, cpu_rows), ctx.device, g.dtype, f"lora_grad_{i}")
+                rows = STAGING.to_device(
+                    g.index_select(0, dev.cpu_ids()), ctx.device, g.dtype, f"lora_grad_{i}"
+                )
                 full = torch.zeros(g.shape, dtype=g.dtype, device=ctx.device)
-                out.append(full.index_copy_(0, ctx.dev.cpu_ids(ctx.device), rows))
+                out.append(full.index_copy_(0, dev.cpu_ids(ctx.device), rows))
         return None, *out
