@@ -58,7 +58,10 @@ def test_bench_step_tiny_runs_each_system(tmp_path):
     for r in steps.values():
         assert r["tokens"] == 64 and r["seconds"] > 0 and r["peak_rss_bytes"] > 0
         # auto warms up until its calibration step has passed (placement/runtime.py): more steps
-        assert len(r["losses"]) >= 2 and all(math.isfinite(v) for v in r["losses"])
+        n = len(r["losses"])
+        assert (n > 2 if r["name"] == "kt-ft[auto]" else n == 2) and all(
+            math.isfinite(v) for v in r["losses"]
+        )
     # same model, same data: the first step's loss (before any update) agrees across systems
     a, b = steps["kt-ft[torch]"]["losses"][0], steps["peft-cpu"]["losses"][0]
     assert abs(a - b) < 0.05 * abs(b), (a, b)
