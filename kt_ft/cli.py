@@ -98,7 +98,7 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
     import torch
 
     from .kernels import select_backend
-    from .placement.auto import layer_shape, placement_section, plan_auto
+    from .placement.auto import layer_shape, placement_section, plan_auto, training_device_key
     from .placement.measure import describe, machine_rates
 
     first = plan.experts[0]
@@ -122,7 +122,11 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
         raise KTConfigError(
             "placement: auto with GPU rates needs a GPU memory cap here (no CUDA device to read it from): give --gpu-mem GiB"
         )
-    choice = plan_auto(model, plan, dtype, sizes, rates, cap)
+    # the run planned for trains on the rules' device, also when this machine lacks it (planning a
+    # GPU run from a CPU-only one): where it puts the expert LoRA counts against the budget
+    choice = plan_auto(
+        model, plan, dtype, sizes, rates, cap, training_device=torch.device(training_device_key(plan))
+    )
     return placement_section(
         model, plan, dtype, sizes, rates, choice, describe(rates, shape, sizes.lora_rank)
     )

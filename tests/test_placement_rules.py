@@ -84,6 +84,25 @@ def test_auto_big_cap_all_resident(model_dir, tmp_path, capsys):
     )
 
 
+def test_auto_planned_from_a_cpu_only_machine_counts_the_expert_lora_on_the_gpu(model_dir, tmp_path, capsys):
+    """Planning a GPU run from a machine without CUDA (``--gpu-mem`` and ``--rates``): layers with
+    GPU experts keep their expert LoRA and AdamW state on the GPU in that run, so the planner
+    counts it, and the plan fits the cap it was made for. A cap with room for every expert's weights
+    but not for their layers' LoRA state as well: fewer resident experts, and the report fits."""
+    rule = tmp_path / "auto.yaml"
+    rule.write_text(AUTO_RULE)
+    _, plain = plan_json(capsys, "qwen3_moe", model_dir, "--cutoff-len", "64")
+    act = 64 * 2 * (3 * 32 + 64) * 4  # the activation reserve: a whole layer's pairs on the GPU
+    cap = plain["devices"]["cuda:0"]["total_bytes"] + 16 * EXPERT_BYTES + act + 1024
+    rc, r = plan_json(
+        capsys, rule, model_dir, "--rates", "cpu_token_us=90,link_gbps=55,gpu_tflops=400",
+        "--gpu-mem", f"{cap / 2**30:.12f}", "--cutoff-len", "64",
+    )  # fmt: skip
+    on_gpu = sum(g["resident"] + g["streamed"] for g in r["placement"]["groups"])
+    assert 0 < on_gpu < 16, r["placement"]
+    assert rc == 0 and r["devices"]["cuda:0"]["total_bytes"] <= cap, r["devices"]["cuda:0"]
+
+
 def test_auto_without_gpu_rates_keeps_everything_on_the_cpu(model_dir, tmp_path, capsys):
     rule = tmp_path / "auto.yaml"
     rule.write_text(AUTO_RULE)

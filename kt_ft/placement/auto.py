@@ -120,6 +120,7 @@ def plan_auto(
     expert_budget_bytes: int | None = None,
     layer_scale: float = 1.0,
     lora_on_gpu: dict[int, bool] | None = None,
+    training_device: torch.device | None = None,
 ) -> Choice | None:
     """Choose and write ``gpu_experts`` / ``stream_experts`` (ids) of every ``placement: auto`` layer.
 
@@ -128,6 +129,9 @@ def plan_auto(
     the full model's share, with ``layer_scale`` = real layers / benchmarked layers, see
     ``choose_splits``). ``lora_on_gpu``: layer -> whether its expert LoRA already lives on the
     GPU (a re-plan: it stays where it is whatever the new split); None: it will follow the split.
+    ``training_device``: the device of the run being planned, which decides where the expert LoRA
+    of layers with GPU experts lives (``lora_home``); None: the plan's, as resolved on this
+    machine (``kt-ft rules plan`` for a GPU machine from a CPU-only one passes the rules' device).
     Returns the planner's choice (None: no auto layer)."""
     autos = auto_layers(plan)
     if not autos:
@@ -160,7 +164,7 @@ def plan_auto(
         nonexpert_flops=model_non_expert_flops(model, plan, sizes),
         layer_scale=layer_scale,
         # layers with GPU experts keep their expert LoRA + AdamW state there (16 bytes a parameter)
-        lora_state_bytes=TRAIN_STATE_BYTES if lora_home(plan.default_device, True) is not None else 0,
+        lora_state_bytes=TRAIN_STATE_BYTES if lora_home(training_device or plan.default_device, True) else 0,
         lora_fixed=None if lora_on_gpu is None else [lora_on_gpu.get(e.layer, False) for e in autos],
     )
     for e, split in zip(autos, choice.splits, strict=True):
