@@ -154,6 +154,7 @@ def plan_auto(
         PlannerInput(e.layer, layer_shape(model, e, dtype), (popularity or {}).get(e.layer)) for e in autos
     ]
     stream = True if allow_stream is None else allow_stream
+    device = plan.default_device if training_device is None else training_device
     choice = choose_splits(
         inputs,
         rates,
@@ -164,7 +165,7 @@ def plan_auto(
         nonexpert_flops=model_non_expert_flops(model, plan, sizes),
         layer_scale=layer_scale,
         # layers with GPU experts keep their expert LoRA + AdamW state there (16 bytes a parameter)
-        lora_state_bytes=TRAIN_STATE_BYTES if lora_home(training_device or plan.default_device, True) else 0,
+        lora_state_bytes=TRAIN_STATE_BYTES if lora_home(device, True) is not None else 0,
         lora_fixed=None if lora_on_gpu is None else [lora_on_gpu.get(e.layer, False) for e in autos],
     )
     for e, split in zip(autos, choice.splits, strict=True):
