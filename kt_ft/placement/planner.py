@@ -113,6 +113,11 @@ class _StreamSearch:
         return run[s_max]
 
 
+def _split(ranked_ids: list[int], r: int, s: int) -> LayerSplit:
+    """A layer's split with its ``r`` most popular experts resident and the next ``s`` streamed."""
+    return LayerSplit(tuple(sorted(ranked_ids[:r])), tuple(sorted(ranked_ids[r : r + s])))
+
+
 def _spread(
     splits: list[LayerSplit], classes: Sequence, ranked: list[tuple[list[int], list[float]]]
 ) -> list[LayerSplit]:
@@ -136,8 +141,7 @@ def _spread(
             n, m = len(list(same)), len(free)
             picks = [free[int((q + 0.5) * m / n)] for q in range(n)]
             for i in picks:
-                ids = ranked[i][0]
-                out[i] = LayerSplit(tuple(sorted(ids[:r])), tuple(sorted(ids[r : r + s])))
+                out[i] = _split(ranked[i][0], r, s)
             taken = set(picks)
             free = [i for i in free if i not in taken]
     return out
@@ -230,8 +234,7 @@ def choose_splits(
             r = bisect.bisect_left(positions[i], n_res)
             s_max = min(cap_s, inp.shape.num_experts - r)
             s, t = search.best(keys[i], inp.shape, prefixes[i], r, s_max)
-            ids = ranked[i][0]
-            splits.append(LayerSplit(tuple(sorted(ids[:r])), tuple(sorted(ids[r : r + s]))))
+            splits.append(_split(ranked[i][0], r, s))
             step += t
             if r + s if lora_fixed is None else lora_fixed[i]:
                 moved += lora_bytes[i]
