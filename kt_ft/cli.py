@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .errors import KTConfigError
 
@@ -140,10 +141,24 @@ def _bench(args: argparse.Namespace) -> int:
         raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
     parts = args.parts.split(",")
     for part in parts:
-        if part not in ("op", "step", "placement"):
+        if part not in ("op", "step", "placement", "e2e"):
             raise KTConfigError(
-                f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step, placement"
+                f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step, placement, e2e"
             )
+    if "e2e" in parts:  # the product path: `llamafactory-cli train` per system (kt_ft/bench_e2e.py)
+        from .bench_e2e import DEFAULT_SYSTEMS, parse_systems, run_e2e
+
+        try:
+            e2e_systems = parse_systems(args.e2e_systems or DEFAULT_SYSTEMS)
+        except ValueError as e:
+            raise KTConfigError(str(e)) from None
+        layers = int(args.layers) if args.layers else None
+        run_e2e(preset=args.preset, layers=layers, systems=e2e_systems, workdir=Path(args.workdir),
+                cutoff_len=args.seq, steps=args.e2e_steps, grad_accum=args.grad_accum, threads=args.threads,
+                timeout_s=args.run_timeout, json_path=args.json if parts == ["e2e"] else None)  # fmt: skip
+        parts = [p for p in parts if p != "e2e"]
+        if not parts:
+            return 0
     try:
         caps = [float(c) for c in args.caps.split(",")]
     except ValueError:
@@ -237,7 +252,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts",
         default="op,step",
         help="op (the CPU expert op alone), step (full training step), placement (tokens/s against the GPU "
-        "memory cap per expert placement)",
+        "memory cap per expert placement), e2e (`llamafactory-cli train` per system: the product path)",
+    )
+    bench.add_argument(
+        "--e2e-systems",
+        default=None,
+        help="e2e part: comma-separated systems: peft, kt-cpu:<backend>, kt-auto, kt-auto@<GiB>, kt-stream "
+        "(default: all of them with backends torch and kt-kernel, caps 12 and 24)",
+    )
+    bench.add_argument(
+        "--workdir", default="bench-e2e", help="e2e part: model, data, recipes and logs go here"
+    )
+    bench.add_argument(
+        "--e2e-steps", type=int, default=5, help="e2e part: optimizer steps per run (max_steps)"
+    )
+    bench.add_argument("--grad-accum", type=int, default=4, help="e2e part: gradient_accumulation_steps")
+    bench.add_argument(
+        "--run-timeout", type=float, default=900, help="e2e part: seconds before a run is killed"
     )
     bench.add_argument(
         "--systems",

@@ -7,7 +7,13 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kt-ft-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.ktk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (gguf, which kt_kernel imports)
+PARTS=${PARTS:-tests,op,step}  # also: e2e, overlap, placement, probe, qprobe
+if [[ ",$PARTS," == *,e2e,* ]]; then
+  # the product path: LLaMA-Factory 0.9.5's stack and a kt-ft wheel (its .pth start-up hook) installed
+  # for real into the machine's python (carry .whl: `pip download` list in README "Benchmark")
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || exit 1
+  export DISABLE_VERSION_CHECK=1
+elif ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (gguf, which kt_kernel imports)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
@@ -20,7 +26,6 @@ THREADS=${THREADS:-$(nproc)}
   python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
   python3 -c "import kt_kernel; print('kt_kernel variant', kt_kernel.__cpu_variant__)"
 } 2>&1 | tee "$OUT/env.txt"
-PARTS=${PARTS:-tests,op,step}  # also: overlap, placement, probe, qprobe
 # env: SEQ, THREADS; placement: CAPS, PLACEMENTS, PLACEMENT_LAYERS, PLACEMENT_SYSTEMS (peft-gpu; kt-ft: without it),
 # PROFILE_DIR; step: STEP_LAYERS, SYSTEMS, BACKENDS, STEP_PRESETS; KT_FT_BENCH_REPLAN=0 / KT_FT_BENCH_TRACE=1
 # pass through to the bench workers (kt_ft/bench_step.py)
@@ -44,6 +49,21 @@ for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
     --systems "${SYSTEMS:-kt-ft,kt-ft-stream,kt-ft-auto,peft-gpu,offload}" ${BACKENDS:+--backends "$BACKENDS"} 2>&1 \
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/step-$preset.log"
 done
+# the product path: `llamafactory-cli train` once per system on a random model of a real config
+# (E2E_PRESETS, E2E_LAYERS: a count, empty = full depth; E2E_SYSTEMS; E2E_STEPS; E2E_PROFILE=1: one step
+# of each run under torch.profiler, tables under $OUT/e2e-prof.tgz)
+[[ ${E2E_PROFILE:-0} == 1 ]] && export KT_FT_PROFILE=/tmp/e2e-prof
+for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
+  [[ ",$PARTS," == *,e2e,* ]] || break
+  timeout "${E2E_TIMEOUT:-570}" python3 -m kt_ft.cli bench --parts e2e --preset "$preset" ${E2E_LAYERS:+--layers "$E2E_LAYERS"} \
+    --threads "$THREADS" --e2e-steps "${E2E_STEPS:-5}" --workdir "/tmp/e2e-$preset" --json "$OUT/e2e-$preset.json" \
+    ${E2E_SYSTEMS:+--e2e-systems "$E2E_SYSTEMS"} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tee "$OUT/e2e-$preset.log"
+  mkdir -p "$OUT/e2e-logs" && for f in /tmp/e2e-"$preset"/runs/*/train.log; do
+    cp "$f" "$OUT/e2e-logs/$preset-$(basename "$(dirname "$f")").log"; done
+  tar -czf "$OUT/e2e-logs-$preset.tgz" -C "$OUT" e2e-logs && rm -rf "$OUT/e2e-logs"
+  rm -rf "/tmp/e2e-$preset/model"  # the disk holds one full-size model at a time
+done
+[[ -d /tmp/e2e-prof ]] && tar -czf "$OUT/e2e-prof.tgz" -C /tmp e2e-prof
 # issue 7: per-expert GEMM loop vs batched / prepacked formulations of the op's big products
 [[ ",$PARTS," == *,probe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/bmm_probe.py --tokens "${PROBE_TOKENS:-2048,4096}" \
   --threads "$THREADS" 2>&1 | tee "$OUT/bmm_probe.log"

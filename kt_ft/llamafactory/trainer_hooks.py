@@ -114,7 +114,14 @@ def patch_tuner_module(tuner: ModuleType) -> None:
     original = tuner._training_function
 
     def _training_function(config: dict[str, Any]) -> None:
-        callbacks = [*(config.get("callbacks") or []), KTCheckpointCallback()]
+        from .profile import profiler_from_env
+
+        profiler = profiler_from_env()  # KT_FT_PROFILE: one optimizer step under torch.profiler
+        callbacks = [
+            *(config.get("callbacks") or []),
+            KTCheckpointCallback(),
+            *([profiler] if profiler else []),
+        ]
         return original({**config, "callbacks": callbacks})
 
     tuner._training_function = _training_function

@@ -1,0 +1,551 @@
+"""`kt-ft bench --parts e2e`: the product path measured: `llamafactory-cli train`, once per system.
+
+What a user runs, at the depth the disk allows: a random-weight model of a real config
+(``bench_step.MODEL_CONFIGS``; ``--layers`` of its decoder layers, default all), a tokenizer
+trained here, and a dataset of long examples (each longer than ``cutoff_len``, so every micro-batch
+holds exactly ``cutoff_len`` tokens). Each system is one `llamafactory-cli train` process on the
+same recipe (LoRA r 8 / alpha 16, ``lora_target: all``, batch 1, gradient accumulation 4, bf16 where
+there is a GPU, LLaMA-Factory's default gradient checkpointing), differing only in its kt-ft keys:
+
+- ``peft``: ``use_kt: false`` -- transformers + PEFT as LLaMA-Factory runs them (PEFT 0.18's
+  ``lora_target: all`` puts no LoRA on the fused experts; LLaMA-Factory 0.9.5 has no recipe key
+  for PEFT's ``target_parameters``, so HF+PEFT with expert LoRA cannot run through it).
+- ``kt-cpu:<backend>``: every routed expert on the CPU, computed by ``<backend>``.
+- ``kt-auto``, ``kt-auto@<GiB>``: ``placement: auto`` uncapped / under ``kt_gpu_memory``.
+- ``kt-stream``: every routed expert streamed to the GPU each time its layer runs.
+
+Measured per run, from outside the process: tokens/s from LLaMA-Factory's own
+``trainer_log.jsonl`` (elapsed time of a log line = ``total_tokens / throughput``; the rate is taken
+between the first logged step and the last, so the first step's start-up stays out); device peak
+as the driver reports it (``nvidia-smi`` polled; context and every allocator included); host peak
+as used memory (``MemTotal - MemAvailable``: page cache excluded), and its rise over the idle
+machine. For kt-ft runs with ``placement: auto`` the cost model's predicted micro-batch time is
+read from the run's log and shown beside the measured one.
+
+Every run keeps its recipe, rule and log under ``--workdir``: ``llamafactory-cli train
+WORKDIR/runs/<system>/recipe.yaml`` reruns one system by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .bench_step import MODEL_CONFIGS
+
+GIB = 2**30
+DATASET = "kt_e2e"
+LORA_RANK, LORA_ALPHA = 8, 16
+DEFAULT_SYSTEMS = "peft,kt-auto,kt-auto@24,kt-auto@12,kt-stream,kt-cpu:kt-kernel,kt-cpu:torch"
+_SYLLABLES = "ka to ri mu se lo na vi pe du shi gor tan bel qua zen".split()
+
+
+@dataclass(frozen=True)
+class System:
+    """One `llamafactory-cli train` configuration: ``kind`` peft | cpu | auto | stream."""
+
+    name: str
+    kind: str
+    backend: str = "auto"
+    cap_gib: float | None = None
+
+    @property
+    def use_kt(self) -> bool:
+        return self.kind != "peft"
+
+
+def parse_systems(text: str) -> list[System]:
+    """``peft,kt-cpu:torch,kt-auto,kt-auto@24,kt-stream`` -> systems; an unknown name is an error
+    that lists the valid forms."""
+    out = []
+    for raw in (s.strip() for s in text.split(",")):
+        if not raw:
+            continue
+        if raw == "peft":
+            out.append(System(raw, "peft"))
+        elif raw.startswith("kt-cpu:") and raw.split(":", 1)[1]:
+            out.append(System(raw, "cpu", backend=raw.split(":", 1)[1]))
+        elif raw == "kt-auto":
+            out.append(System(raw, "auto"))
+        elif re.fullmatch(r"kt-auto@\d+(\.\d+)?", raw):
+            out.append(System(raw, "auto", cap_gib=float(raw.split("@")[1])))
+        elif raw == "kt-stream":
+            out.append(System(raw, "stream"))
+        else:
+            raise ValueError(
+                f"--systems: {raw!r} is not a system; valid: peft, kt-cpu:<backend> (torch, kt-kernel, ...), "
+                "kt-auto, kt-auto@<GiB>, kt-stream"
+            )
+    if not out:
+        raise ValueError("--systems: no system named")
+    return out
+
+
+# ---------------------------------------------------------------- assets
+
+
+def _words(rnd: random.Random, n: int) -> list[str]:
+    return ["".join(rnd.choice(_SYLLABLES) for _ in range(rnd.randint(1, 3))) for _ in range(n)]
+
+
+def write_assets(
+    workdir: Path, preset: str, layers: int | None, cutoff_len: int, examples: int, seed: int = 0
+) -> tuple[Path, Path, int]:
+    """``workdir/model`` (random bf16 weights of ``preset`` at ``layers`` decoder layers, and a
+    tokenizer trained here) and ``workdir/data`` (``examples`` alpaca examples, each longer than
+    ``cutoff_len`` tokens). Kept and reused when ``workdir/assets.json`` says they match.
+    Returns (model dir, data dir, layers)."""
+    from .bench_step import build_model_dir
+    from .demo import train_tokenizer
+
+    real = MODEL_CONFIGS[preset][1]["num_hidden_layers"]
+    layers = real if layers is None else layers
+    if not 1 <= layers <= real:
+        raise ValueError(f"--layers {layers}: {preset} has {real} decoder layers (valid: 1..{real})")
+    model_dir, data_dir = workdir / "model", workdir / "data"
+    want = {"preset": preset, "layers": layers, "cutoff_len": cutoff_len, "examples": examples, "seed": seed}
+    stamp = workdir / "assets.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == want and (model_dir / "config.json").is_file():
+        print(f"reusing {model_dir} and {data_dir} ({stamp})")
+        return model_dir, data_dir, layers
+    shutil.rmtree(model_dir, ignore_errors=True)
+    shutil.rmtree(data_dir, ignore_errors=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rnd = random.Random(seed)
+    vocab_words = _words(rnd, 4000)
+    # ~1.5 tokens a word once the tokenizer has merged the syllables: 2x cutoff words is plenty;
+    # the length is checked below with the trained tokenizer
+    texts = [" ".join(rnd.choice(vocab_words) for _ in range(2 * cutoff_len)) for _ in range(examples)]
+    # no larger than the model's vocabulary: LLaMA-Factory would resize the embeddings otherwise
+    vocab = min(2048, MODEL_CONFIGS[preset][1]["vocab_size"])
+    tokenizer = train_tokenizer(texts[:64] + ["user assistant system"], vocab_size=vocab)
+    shortest = min(len(tokenizer(t)["input_ids"]) for t in texts)
+    if shortest <= cutoff_len:
+        raise RuntimeError(f"generated examples are too short: {shortest} tokens <= cutoff_len {cutoff_len}")
+    data_dir.mkdir(parents=True)
+    rows = [{"instruction": "Continue the text.", "input": "", "output": t} for t in texts]
+    (data_dir / f"{DATASET}.json").write_text(json.dumps(rows))
+    (data_dir / "dataset_info.json").write_text(json.dumps({DATASET: {"file_name": f"{DATASET}.json"}}))
+    t0 = time.perf_counter()
+    build_model_dir(preset, layers, model_dir, seed=seed)
+    _point_config_at_tokenizer(model_dir, tokenizer)
+    tokenizer.model_max_length = max(cutoff_len * 2, 4096)
+    tokenizer.save_pretrained(model_dir)
+    print(
+        f"wrote {preset} x{layers} layers to {model_dir} in {time.perf_counter() - t0:.0f} s; {examples} examples"
+    )
+    stamp.write_text(json.dumps(want))
+    return model_dir, data_dir, layers
+
+
+def _point_config_at_tokenizer(model_dir: Path, tokenizer) -> None:
+    """The config's special token ids are the local tokenizer's (the real ones lie outside its vocab)."""
+    path = model_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    path.write_text(json.dumps(cfg, indent=2))
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        g = json.loads(gen.read_text())
+        g.update(bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        gen.write_text(json.dumps(g, indent=2))
+
+
+def write_rule(run_dir: Path, preset: str, system: System) -> Path | None:
+    """The optimize rule of ``system`` (None: the family's built-in rule, all experts on the CPU)."""
+    from .models import FAMILIES
+
+    if system.kind not in ("auto", "stream"):
+        return None
+    family = FAMILIES[MODEL_CONFIGS[preset][0]]
+    place = {"placement": "auto"} if system.kind == "auto" else {"stream": "all"}
+    rule = [
+        {"include": family.builtin_rule},
+        {"match": {"class": family.experts_class}, "replace": {"device": "cpu", "backend": "auto", **place}},
+    ]
+    path = run_dir / "rule.yaml"
+    path.write_text(yaml.safe_dump(rule, sort_keys=False))
+    return path
+
+
+def write_recipe(
+    run_dir: Path,
+    system: System,
+    *,
+    model_dir: Path,
+    data_dir: Path,
+    preset: str,
+    cutoff_len: int,
+    steps: int,
+    grad_accum: int,
+    threads: int,
+    bf16: bool,
+) -> Path:
+    """``run_dir/recipe.yaml``: the common recipe plus ``system``'s kt-ft keys."""
+    recipe = {
+        "model_name_or_path": str(model_dir),
+        "trust_remote_code": False,
+        "stage": "sft",
+        "do_train": True,
+        "finetuning_type": "lora",
+        "lora_rank": LORA_RANK,
+        "lora_alpha": LORA_ALPHA,
+        "lora_target": "all",
+        "dataset_dir": str(data_dir),
+        "dataset": DATASET,
+        "template": "qwen",
+        "cutoff_len": cutoff_len,
+        "overwrite_cache": True,
+        "preprocessing_num_workers": max(1, min(8, threads)),
+        "dataloader_num_workers": 0,
+        "output_dir": str(run_dir / "output"),
+        "logging_steps": 1,
+        "save_steps": 10 * steps + 10,  # no checkpoint inside the timed steps (the final save comes after)
+        "overwrite_output_dir": True,
+        "plot_loss": False,
+        "report_to": "none",
+        "include_num_input_tokens_seen": True,  # LF's trainer_log.jsonl then has total_tokens / throughput
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": grad_accum,
+        "learning_rate": 1.0e-4,
+        "max_steps": steps,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "seed": 42,
+        "bf16": bf16,
+    }
+    if system.use_kt:
+        recipe.update(use_kt=True, cpu_infer=threads, chunk_size=cutoff_len, kt_backend=system.backend)
+        rule = write_rule(run_dir, preset, system)
+        if rule is not None:
+            recipe["kt_optimize_rule"] = str(rule)
+        if system.cap_gib is not None:
+            recipe["kt_gpu_memory"] = system.cap_gib
+    path = run_dir / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+# ---------------------------------------------------------------- measuring a run
+
+
+def host_used_bytes() -> int:
+    """MemTotal - MemAvailable from /proc/meminfo (what ``free`` calls used; page cache excluded)."""
+    info = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        k, v = line.split(":", 1)
+        info[k] = int(v.split()[0]) * 1024
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+class Monitor:
+    """Polls the device memory the driver reports (``nvidia-smi``, GPU ``gpu_index``) and host used
+    memory while a run lasts; keeps the peaks (bytes)."""
+
+    def __init__(self, gpu_index: int | None, interval_s: float = 0.2) -> None:
+        self.gpu_index, self.interval_s = gpu_index, interval_s
+        self.gpu_peak: int | None = None
+        self.host_peak = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._smi: subprocess.Popen | None = None
+
+    def __enter__(self) -> Monitor:
+        self._threads.append(threading.Thread(target=self._poll_host, daemon=True))
+        if self.gpu_index is not None and shutil.which("nvidia-smi"):
+            ms = str(max(50, int(self.interval_s * 1000)))
+            self._smi = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                 "-i", str(self.gpu_index), "-lms", ms],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )  # fmt: skip
+            self._threads.append(threading.Thread(target=self._read_smi, daemon=True))
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _poll_host(self) -> None:
+        while not self._stop.is_set():
+            self.host_peak = max(self.host_peak, host_used_bytes())
+            self._stop.wait(self.interval_s)
+
+    def _read_smi(self) -> None:
+        assert self._smi is not None and self._smi.stdout is not None
+        for line in self._smi.stdout:
+            try:
+                used = int(line.strip()) * 2**20  # MiB
+            except ValueError:
+                continue
+            self.gpu_peak = used if self.gpu_peak is None else max(self.gpu_peak, used)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._smi is not None:
+            self._smi.terminate()
+            self._smi.wait()
+        for t in self._threads:
+            t.join(timeout=5)
+
+
+@dataclass
+class E2ERecord:
+    system: str
+    preset: str
+    layers: int
+    rc: int
+    seconds: float  # wall time of the whole process (load, train, save)
+    steps_logged: int = 0
+    tokens_per_step: float | None = None
+    tok_s: float | None = None  # between the first and the last logged step
+    step_s: list[float] = field(default_factory=list)  # per optimizer step after the first
+    first_loss: float | None = None
+    gpu_peak_bytes: int | None = None
+    host_peak_bytes: int = 0
+    host_rise_bytes: int = 0
+    predicted_micro_s: float | None = None  # cost model: one micro-batch (placement: auto)
+    cap_gib: float | None = None
+    grad_accum: int = 1  # micro-batches an optimizer step
+    note: str = ""
+
+    @property
+    def measured_micro_s(self) -> float | None:
+        """Measured seconds a micro-batch: the optimizer step over its micro-batches."""
+        if not self.step_s or self.tok_s is None or not self.tokens_per_step:
+            return None
+        return self.tokens_per_step / self.tok_s / self.grad_accum
+
+
+def read_trainer_log(path: Path) -> list[dict]:
+    """LLaMA-Factory's trainer_log.jsonl lines of training steps (a loss) that carry tokens
+    (``include_num_input_tokens_seen``); the summary line at the end of training has no loss."""
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "loss" in r and "total_tokens" in r and r.get("throughput")]
+
+
+def rate_from_log(
+    rows: list[dict], skip_step: int | None = None
+) -> tuple[float | None, list[float], float | None]:
+    """(tokens/s over the logged steps after the first, seconds of each of those steps, tokens per
+    step). Elapsed time at a log line = total_tokens / throughput (LF's own figures).
+    ``skip_step``: an optimizer step (1-based) left out of the rate (the profiled one)."""
+    if len(rows) < 2:
+        return None, [], None
+    t = [r["total_tokens"] / r["throughput"] for r in rows]
+    tok = [r["total_tokens"] for r in rows]
+    steps = [b - a for a, b in zip(t, t[1:])]
+    pairs = [
+        (tok[i + 1] - tok[i], steps[i])
+        for i in range(len(steps))
+        if rows[i + 1].get("current_steps") != skip_step
+    ]
+    secs = sum(s for _, s in pairs)
+    rate = sum(n for n, _ in pairs) / secs if pairs and secs > 0 else None
+    per_step = (tok[-1] - tok[0]) / (len(rows) - 1)
+    return rate, steps, per_step
+
+
+_PREDICTED = re.compile(r"predicted step ([0-9.]+) ms")
+
+
+def run_system(
+    system: System,
+    recipe: Path,
+    run_dir: Path,
+    *,
+    preset: str,
+    layers: int,
+    grad_accum: int,
+    gpu_index: int | None,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> E2ERecord:
+    """One `llamafactory-cli train recipe` in its own process, measured from outside."""
+    cli = shutil.which("llamafactory-cli") or str(Path(sys.executable).with_name("llamafactory-cli"))
+    log_path = run_dir / "train.log"
+    idle = host_used_bytes()
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log, Monitor(gpu_index) as mon:
+        proc = subprocess.Popen(
+            [cli, "train", str(recipe)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})},
+        )
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            rc = rc if rc else -9
+    seconds = time.perf_counter() - t0
+    rows = read_trainer_log(run_dir / "output" / "trainer_log.jsonl")
+    skip = int(os.environ.get("KT_FT_PROFILE_STEP", "3")) if (env or {}).get("KT_FT_PROFILE") else None
+    rate, steps, per_step = rate_from_log(rows, skip_step=skip)
+    text = log_path.read_text(errors="replace")
+    pred = _PREDICTED.findall(text)
+    rec = E2ERecord(
+        system=system.name,
+        preset=preset,
+        layers=layers,
+        rc=rc,
+        seconds=seconds,
+        steps_logged=len(rows),
+        tokens_per_step=per_step,
+        tok_s=rate,
+        step_s=steps,
+        first_loss=rows[0].get("loss") if rows else None,
+        gpu_peak_bytes=mon.gpu_peak,
+        host_peak_bytes=mon.host_peak,
+        host_rise_bytes=max(0, mon.host_peak - idle),
+        predicted_micro_s=float(pred[-1]) / 1e3 if pred else None,
+        cap_gib=system.cap_gib,
+        grad_accum=grad_accum,
+    )
+    if rc != 0:
+        rec.note = f"exit {rc}: " + _failure(text)
+    elif rate is None:
+        rec.note = "fewer than two logged steps: no rate"
+    return rec
+
+
+def _failure(text: str) -> str:
+    """The last error line of a failed run's log."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if re.search(r"(Error|error:|Killed|Traceback)", ln)]
+    return (errs[-1] if errs else (lines[-1] if lines else "no output"))[:300]
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def run_e2e(
+    *,
+    preset: str,
+    layers: int | None,
+    systems: list[System],
+    workdir: Path,
+    cutoff_len: int = 2048,
+    steps: int = 5,
+    grad_accum: int = 4,
+    threads: int,
+    timeout_s: float = 900,
+    json_path: str | None = None,
+    keep_model: bool = True,
+) -> list[E2ERecord]:
+    """Write the assets, run every system (in order, one process each), print the table."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    gpu_index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0) if cuda else None
+    if not cuda:
+        gpu_index = None
+    examples = steps * grad_accum + 8
+    model_dir, data_dir, layers = write_assets(workdir, preset, layers, cutoff_len, examples)
+    if cuda:
+        torch.cuda.empty_cache()
+    records = []
+    prof_root = os.environ.get("KT_FT_PROFILE")
+    for system in systems:
+        if not cuda and system.kind in ("auto", "stream"):
+            print(f"skipping {system.name}: needs a CUDA GPU")
+            continue
+        run_dir = workdir / "runs" / system.name.replace(":", "-").replace("@", "-at-")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        recipe = write_recipe(
+            run_dir, system, model_dir=model_dir, data_dir=data_dir, preset=preset, cutoff_len=cutoff_len,
+            steps=steps, grad_accum=grad_accum, threads=threads, bf16=cuda,
+        )  # fmt: skip
+        print(f"[{system.name}] llamafactory-cli train {recipe}", flush=True)
+        # KT_FT_PROFILE=DIR for the bench: each run profiles one step into DIR/<system> (that step
+        # is left out of its rate; kt_ft/llamafactory/profile.py)
+        env = {"KT_FT_PROFILE": str(Path(prof_root) / run_dir.name)} if prof_root else {}
+        rec = run_system(
+            system, recipe, run_dir, preset=preset, layers=layers, grad_accum=grad_accum,
+            gpu_index=gpu_index, timeout_s=timeout_s, env=env,
+        )  # fmt: skip
+        print(f"[{system.name}] {_one_line(rec)}", flush=True)
+        records.append(rec)
+        if json_path:
+            write_json(json_path, records, cutoff_len, grad_accum, threads)
+        # the adapters (tens of MB each) are not read: keep LF's log, drop the rest
+        log = run_dir / "output" / "trainer_log.jsonl"
+        if log.is_file():
+            shutil.copy(log, run_dir / "trainer_log.jsonl")
+        shutil.rmtree(run_dir / "output", ignore_errors=True)
+    print_table(records, cutoff_len, grad_accum)
+    if not keep_model:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    return records
+
+
+def _one_line(r: E2ERecord) -> str:
+    tok = f"{r.tok_s:,.0f} tok/s" if r.tok_s else "no rate"
+    gpu = f", GPU peak {r.gpu_peak_bytes / GIB:.1f} GiB" if r.gpu_peak_bytes else ""
+    return f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB, {r.seconds:.0f} s {r.note}"
+
+
+def write_json(path: str, records: list[E2ERecord], cutoff_len: int, grad_accum: int, threads: int) -> None:
+    import platform
+
+    import torch
+
+    meta = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads": threads,
+            "cutoff_len": cutoff_len, "gradient_accumulation_steps": grad_accum}  # fmt: skip
+    if torch.cuda.is_available():
+        meta["gpu"] = torch.cuda.get_device_name(0)
+    for mod in ("transformers", "peft", "llamafactory"):
+        try:
+            meta[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 (absent or broken: the file says so)
+            meta[mod] = None
+    rows = []
+    for r in records:
+        row = asdict(r)
+        row["measured_micro_s"] = r.measured_micro_s
+        rows.append(row)
+    Path(path).write_text(json.dumps({"meta": meta, "records": rows}, indent=1))
+
+
+def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> None:
+    if not records:
+        return
+    r0 = records[0]
+    base = next((r for r in records if r.system == "peft" and r.tok_s), None)
+    print(
+        f"\nllamafactory-cli train, {r0.preset} x{r0.layers} layers, cutoff_len {cutoff_len}, batch 1 x "
+        f"{grad_accum} accumulation; tokens/s between the first and last logged steps (LF's trainer_log.jsonl)"
+    )
+    head = f"{'system':<20}{'tok/s':>9}{'x peft':>8}{'GPU peak':>10}{'x peft':>8}{'host peak':>11}{'host rise':>11}"
+    head += f"{'ms/micro':>10}{'predicted':>11}{'loss 1':>9}"
+    print(head)
+    for r in records:
+        tok = f"{r.tok_s:,.0f}" if r.tok_s else "-"
+        xs = f"{r.tok_s / base.tok_s:.2f}" if base and r.tok_s else "-"
+        gpu = f"{r.gpu_peak_bytes / GIB:.2f}G" if r.gpu_peak_bytes else "-"
+        xg = (
+            f"{r.gpu_peak_bytes / base.gpu_peak_bytes:.2f}"
+            if base and base.gpu_peak_bytes and r.gpu_peak_bytes
+            else "-"
+        )
+        meas = f"{r.measured_micro_s * 1e3:.0f}" if r.measured_micro_s else "-"
+        pred = f"{r.predicted_micro_s * 1e3:.0f}" if r.predicted_micro_s else "-"
+        loss = f"{r.first_loss:.4f}" if r.first_loss is not None else "-"
+        print(
+            f"{r.system:<20}{tok:>9}{xs:>8}{gpu:>10}{xg:>8}{r.host_peak_bytes / GIB:>10.1f}G"
+            f"{r.host_rise_bytes / GIB:>10.1f}G{meas:>10}{pred:>11}{loss:>9}"
+            + (f"  {r.note}" if r.note else "")
+        )

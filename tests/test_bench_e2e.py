@@ -1,0 +1,67 @@
+"""`kt-ft bench --parts e2e` on the tiny preset: `llamafactory-cli train` once per system, measured from
+outside. No speed is asserted; the runs must train, log their rate and agree on the first loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kt_ft.bench_e2e import parse_systems, rate_from_log
+
+
+def test_rate_from_log_uses_lf_elapsed_time_and_skips_a_step():
+    # elapsed = total_tokens / throughput: 1 s, 3 s, 4 s, 10 s for 100 tokens a step
+    rows = [
+        {"current_steps": 1, "total_tokens": 100, "throughput": 100.0},
+        {"current_steps": 2, "total_tokens": 200, "throughput": 200 / 3},
+        {"current_steps": 3, "total_tokens": 300, "throughput": 75.0},
+        {"current_steps": 4, "total_tokens": 400, "throughput": 40.0},
+    ]
+    rate, steps, per_step = rate_from_log(rows)
+    assert steps == pytest.approx([2.0, 1.0, 6.0]) and per_step == 100
+    assert rate == pytest.approx(300 / 9)  # the first step's start-up stays out
+    rate, _, _ = rate_from_log(rows, skip_step=4)
+    assert rate == pytest.approx(200 / 3)
+    assert rate_from_log(rows[:1]) == (None, [], None)
+
+
+def test_parse_systems_names_the_valid_forms():
+    names = [s.name for s in parse_systems("peft, kt-cpu:torch,kt-auto@24,kt-auto,kt-stream")]
+    assert names == ["peft", "kt-cpu:torch", "kt-auto@24", "kt-auto", "kt-stream"]
+    assert parse_systems("kt-auto@12.5")[0].cap_gib == 12.5
+    with pytest.raises(ValueError, match="'kt-fast' is not a system; valid: peft, kt-cpu:<backend>"):
+        parse_systems("peft,kt-fast")
+
+
+@pytest.mark.slow
+def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
+    """peft and kt-ft (every expert on the CPU) through `llamafactory-cli train`: both finish, both
+    rates come from LF's log, and the first-step losses agree (expert LoRA B starts at zero, so kt-ft's
+    first forward is the plain model's; fp32 on the CPU: relative 1e-4). One step is profiled."""
+    out = tmp_path / "e2e.json"
+    env = {**os.environ, "KT_FT_PROFILE": str(tmp_path / "prof"), "KT_FT_PROFILE_STEP": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kt_ft.cli", "bench", "--parts", "e2e", "--preset", "tiny", "--seq", "64",
+         "--e2e-steps", "3", "--grad-accum", "2", "--threads", "1", "--e2e-systems", "peft,kt-cpu:torch,kt-auto",
+         "--workdir", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "skipping kt-auto: needs a CUDA GPU" in proc.stdout
+    assert "llamafactory-cli train, tiny x2 layers, cutoff_len 64" in proc.stdout
+    records = {r["system"]: r for r in json.loads(out.read_text())["records"]}
+    assert set(records) == {"peft", "kt-cpu:torch"}, proc.stdout[-3000:]
+    for r in records.values():
+        assert r["rc"] == 0 and r["steps_logged"] == 3, r
+        assert r["tokens_per_step"] == 2 * 64  # every example is longer than cutoff_len
+        assert r["tok_s"] > 0 and len(r["step_s"]) == 2 and r["host_peak_bytes"] > 0
+    a, b = records["kt-cpu:torch"]["first_loss"], records["peft"]["first_loss"]
+    assert abs(a - b) <= 1e-4 * abs(b), (a, b)
+    for name in ("peft", "kt-cpu-torch"):  # the profiled step's tables
+        assert "## by self CPU time" in (tmp_path / "prof" / name / "step2.txt").read_text()
+    # the recipe of each run stays beside its log, to rerun by hand
+    assert (tmp_path / "work" / "runs" / "kt-cpu-torch" / "recipe.yaml").is_file()
