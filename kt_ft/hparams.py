@@ -209,4 +209,7 @@ class KTArguments:
         batch = getattr(training_args, "per_device_train_batch_size", None)
         if model_max_length and batch:
             self._kt_ft_micro_batch = (int(model_max_length), int(batch))
+        rank = getattr(finetuning_args, "lora_rank", None)
+        if rank:
+            self._kt_ft_lora_rank = int(rank)  # the GPU-memory check before loading counts PEFT's LoRA
         return None

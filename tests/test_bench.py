@@ -89,7 +89,7 @@ def test_bench_placement_tiny_smoke(tmp_path):
     out, png = tmp_path / "placement.json", tmp_path / "placement.png"
     proc = subprocess.run(
         [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "tiny", "--parts", "placement", "--backends", "torch",
-         "--seq", "32", "--steps", "1", "--threads", "1", "--caps", "1", "--systems", "kt-ft", "--json", str(out),
+         "--seq", "32", "--steps", "1", "--threads", "1", "--caps", "2", "--systems", "kt-ft", "--json", str(out),
          "--plot", str(png)],
         capture_output=True,
         text=True,
@@ -98,10 +98,10 @@ def test_bench_placement_tiny_smoke(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     recs = {(r["name"], r["cap_gib"]): r for r in json.loads(out.read_text())["records"]}
-    assert set(recs) == {("kt-ft[cpu]", None), ("kt-ft[auto]", 1.0), ("kt-ft[stream]", None)}, proc.stdout[
+    assert set(recs) == {("kt-ft[cpu]", None), ("kt-ft[auto]", 2.0), ("kt-ft[stream]", None)}, proc.stdout[
         -2000:
     ]
-    auto = recs[("kt-ft[auto]", 1.0)]
+    auto = recs[("kt-ft[auto]", 2.0)]
     assert auto["kind"] == "placement" and auto["predicted_s"] > 0 and auto["tok_s"] > 0
     assert "resident/streamed/CPU L0 8/0/0, L1 8/0/0" in auto["note"]
     assert recs[("kt-ft[cpu]", None)]["predicted_s"] > 0

@@ -109,3 +109,63 @@ def test_one_placement_holding_every_expert_needs_no_host_counts():
     want = [int((ids == e).sum()) for e in (1, 3)]
     assert len(parts) == 1 and parts[0].groups._counts == want and parts[0].rows == sum(want)
     assert parts[0].offset == int((local < 0).sum())  # the CPU's pairs sort first
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ["plain", "gpt_oss"])
+@pytest.mark.parametrize("placement", ["every", "some"])
+def test_fused_device_share_matches_its_autograd_twin(device, dtype, variant, placement):
+    """``FusedGroupedExperts`` (one autograd node a placement, hand-written backward) against
+    ``DeviceExperts.compute_reference`` (the same formula op by op under autograd): the [T, H] share
+    and the gradients of x, the routing weights and the six fp32 LoRA parameters, on fresh random
+    routing with unrouted experts; the LoRA cast is reused while the parameters are unchanged and
+    redone after an in-place update. Tolerances as above (bf16: products rounded at other points)."""
+    from kt_ft.moe.device_experts import DeviceExperts
+    from kt_ft.moe.resident import ResidentExperts
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    T, E, k, H, I, r = 11, 6, 2, 64, 32, 8
+    spec, bias = (GPT_OSS_SPEC, 0.5) if variant == "gpt_oss" else (None, None)
+    base, lora, x, _, _, _ = make_problem(T, E, k, H, I, r, torch.float32, gen, spec=spec, bias_scale=bias)
+    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(T)])  # expert E-1 unrouted
+    weights = torch.rand(T, k, generator=gen)
+    grad = torch.randn(T, H, generator=gen)
+
+    def to(t, dt=dtype):
+        return None if t is None else t.to(device, dt)
+
+    base = type(base)(
+        *(to(t) for t in (base.gate_up, base.down, base.gate_up_bias, base.down_bias)), spec=base.spec
+    )
+    resident = range(E) if placement == "every" else (0, 2, 3, 5)
+    dev = DeviceExperts(base, ResidentExperts(base, resident), None)
+    dev.begin(torch.device(device))
+    x, grad = to(x), to(grad, torch.float32)
+    local = dev.split(ids.to(device), weights.to(device))[0]
+    order, parts = dev._route(local)
+    rows = dev._ids_cpu
+
+    def run(fn):
+        xx = x.detach().clone().requires_grad_()
+        ww = weights.to(device).requires_grad_()
+        lo = LoraTensors(*(t.index_select(0, rows).to(device).requires_grad_() for t in lora))
+        out = fn(xx, ww, lo, 2.0, order, parts, k)
+        out.backward(grad)
+        return [out.detach(), xx.grad, ww.grad, *(t.grad for t in lo)], lo
+
+    got, lo_got = run(dev._compute)
+    ref, _ = run(dev.compute_reference)
+    for name, a, b in zip(["out", "x", "weights", *LoraTensors._fields], got, ref):
+        scale = b.abs().max().float().clamp_min(1e-30)
+        err = ((a.float() - b.float()).abs().max() / scale).item()
+        assert err <= TOL[dtype], f"{name}: {err:.2e} of its largest entry > {TOL[dtype]:.0e} (seed {seed})"
+    cast = dev._lora_cast(0)
+    first = cast(*lo_got)
+    assert all(a is b for a, b in zip(cast(*lo_got), first))  # unchanged parameters: the same cast
+    with torch.no_grad():
+        lo_got.gate_b.add_(1.0)  # an optimizer step updates in place: the cast is redone
+    again = cast(*lo_got)
+    assert again[1] is not first[1] and torch.equal(again[1], lo_got.gate_b.to(base.gate_up.dtype))

@@ -61,7 +61,7 @@ def test_auto_big_cap_all_resident(model_dir, tmp_path, capsys):
     rule = tmp_path / "auto.yaml"
     rule.write_text(AUTO_RULE)
     rc, r = plan_json(
-        capsys, rule, model_dir, "--rates", "cpu_token_us=90,link_gbps=55,gpu_tflops=400", "--gpu-mem", "1",
+        capsys, rule, model_dir, "--rates", "cpu_token_us=90,link_gbps=55,gpu_tflops=400", "--gpu-mem", "2",
         "--cutoff-len", "64",
     )  # fmt: skip
     assert rc == 0
@@ -73,7 +73,7 @@ def test_auto_big_cap_all_resident(model_dir, tmp_path, capsys):
     assert p["predicted"]["bottleneck"] == "gpu" and p["predicted"]["resident_bytes"] == 16 * EXPERT_BYTES
     # the budget is the cap minus the estimate of the rest of the GPU (the all-CPU plan's total)
     rc, plain = plan_json(capsys, "qwen3_moe", model_dir, "--cutoff-len", "64")
-    assert p["budget_bytes"] == 2**30 - plain["devices"]["cuda:0"]["total_bytes"]
+    assert p["budget_bytes"] == 2 * 2**30 - plain["devices"]["cuda:0"]["total_bytes"]
     # and the resident copies are counted on the GPU by the report
     assert (
         r["devices"]["cuda:0"]["param_bytes"] == plain["devices"]["cuda:0"]["param_bytes"] + 16 * EXPERT_BYTES

@@ -498,7 +498,8 @@ def test_device_share_graphs_are_released_by_their_backward(ids):
     """Each layer's device-side graph (``moe/inner_graph.py``) is freed by that layer's backward: after
     the backward of two chained layers no tensor saved inside them is held while their output
     (and so the model's graph) still exists. A second backward through the same graph is refused
-    with a message."""
+    with a message where a layer has an inner graph (some experts on the CPU); with every expert
+    resident the share is on the model's graph itself, which autograd's own rules govern."""
     import weakref
 
     from kt_ft.kernels.grouped import GroupedTorchBackend
@@ -531,5 +532,8 @@ def test_device_share_graphs_are_released_by_their_backward(ids):
     assert refs and sum(r() is not None for r in refs) == 0
     loss = mods[1](mods[0](x, top, w), top, w).square().sum()
     loss.backward(retain_graph=True)  # the model's graph kept, the device share's is not
+    if len(ids) == 8:  # no inner graph: retained with the model's
+        loss.backward()
+        return
     with pytest.raises(RuntimeError, match="second backward through the same graph is not supported"):
         loss.backward()

@@ -13,6 +13,7 @@ import torch
 from tiny_models import tiny_model
 
 from kt_ft.cli import main
+from kt_ft.rules.report import CUDA_GROWTH_BYTES, CUDA_OVERHEAD_BYTES
 
 # tiny_model("qwen3_moe"): H 64, 4 q heads / 2 kv heads of 16, 2 layers, 8 experts of I 32, top-2, V 97
 H, L, E, I, V, K, R = 64, 2, 8, 32, 97, 2, 8
@@ -54,9 +55,15 @@ def test_plan_numbers_match_a_hand_count(model_dirs, capsys):
     assert gpu["param_bytes"] == NON_EXPERT_PARAMS * 4
     assert (cpu["train_state_bytes"], gpu["train_state_bytes"]) == (EXPERT_LORA * 16, PEFT_LORA * 16)
     T = 2 * 16
-    assert gpu["activation_bytes"] == L * T * H * 4 + 17 * T * H * 4 + 2 * T * V * 4
+    # the loss: 16-bit logits, fp32 copy, fp32 log-softmax, fp32 gradient (14 bytes a logit)
+    assert gpu["activation_bytes"] == L * T * H * 4 + 17 * T * H * 4 + 14 * T * V
     assert cpu["activation_bytes"] == L * T * (K * 3 * I + 2 * H) * 4
     assert cpu["total_bytes"] == cpu["param_bytes"] + cpu["train_state_bytes"] + cpu["activation_bytes"]
+    # the CUDA runtime outside PyTorch's allocator counts on the GPU only (estimated before any GPU work)
+    assert (cpu["runtime_bytes"], gpu["runtime_bytes"]) == (0, CUDA_OVERHEAD_BYTES + CUDA_GROWTH_BYTES)
+    assert gpu["total_bytes"] == sum(
+        gpu[k] for k in ("param_bytes", "train_state_bytes", "activation_bytes", "runtime_bytes")
+    )
     assert [(g["what"], g["how"]) for g in r["groups"]] == [
         ("layers 0-1 routed experts", "cpu auto 3 threads"),
         ("layers 0-1 attention, router, norms, dense/shared MLPs", "cuda:0"),
@@ -67,7 +74,7 @@ def test_plan_numbers_match_a_hand_count(model_dirs, capsys):
 def test_plan_dtype_from_safetensors_and_budgets(model_dirs, capsys):
     rc, out, _ = run_cli(
         capsys, "rules", "plan", "--rule", "qwen3_moe", "--model", str(model_dirs / "bf16"),
-        "--gpu-mem", "1", "--cpu-mem", "0.0001",
+        "--gpu-mem", "2", "--cpu-mem", "0.0001",
     )  # fmt: skip
     assert rc == 1  # the CPU budget (~105 KB) is too small
     assert "(bfloat16 weights; cutoff_len 2048, batch 1, lora_rank 8)" in out
@@ -166,3 +173,33 @@ def test_lora_count_is_the_same_on_a_peft_wrapped_model():
         plan = make_plan(model, rules, fam, "torch", 2, planning_only=True)
         counts.append(estimate(model, plan, torch.float32, sizes)["lora"])
     assert counts[0] == counts[1] and counts[0]["peft_params"] > 0
+
+
+def test_gpu_cap_too_small_stops_before_loading_with_what_would_fit(tmp_path):
+    """``kt_gpu_memory`` below what the GPU needs with every auto expert on the CPU: the error (raised
+    from the meta skeleton, before any weight is read) names the recipe, the key, the value, what the
+    GPU needs and the smallest valid value; a cap at that value passes."""
+    from kt_ft.errors import KTConfigError
+    from kt_ft.models import family_of
+    from kt_ft.rules import load_rules, make_plan
+    from kt_ft.rules.report import TrainSizes, check_gpu_cap, estimate
+    from kt_ft.rules.skeleton import meta_model
+
+    model = meta_model(tiny_model().config, torch.bfloat16)
+    rule = tmp_path / "auto.yaml"
+    rule.write_text(
+        "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch, placement: auto}\n"
+        "- default: {device: cuda}\n"
+    )
+    rules = load_rules(rule)
+    plan = make_plan(model, rules, family_of(model.config), "torch", 1)
+    sizes = TrainSizes(64, 1, 8)
+    need = estimate(model, plan, torch.bfloat16, sizes)["devices"]["cuda:0"]["total_bytes"] / 2**30
+    with pytest.raises(KTConfigError) as err:
+        check_gpu_cap(model, plan, torch.bfloat16, sizes, 0.5, "recipe.yaml")
+    msg = str(err.value)
+    assert (
+        msg.startswith("kt-ft: recipe.yaml: kt_gpu_memory=0.5 cannot hold this run") and "CUDA runtime" in msg
+    )
+    assert f"still needs {need:.1f} GiB" in msg and f"valid: kt_gpu_memory >= {need:.1f}" in msg
+    check_gpu_cap(model, plan, torch.bfloat16, sizes, need + 0.01, "recipe.yaml")

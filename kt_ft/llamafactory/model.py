@@ -66,6 +66,9 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
     device_map, plan = planned_device_map(
         config, rules, family, model_args.kt_backend, threads_per_rank(model_args.cpu_infer), training_device
     )
+    cap = getattr(model_args, "kt_gpu_memory", None)
+    if cap is not None and torch.device(training_device).type == "cuda":
+        _check_gpu_cap(config, plan, model_args, cap)
     topo = topology()
     expert_names = [e.name for e in plan.experts]
     sharing = single and sharing_enabled(topo.local_world_size)
@@ -90,6 +93,21 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
         logger.info(
             f"loading {len(expert_names)} routed-experts modules into CPU RAM, the rest to {training_device}"
         )
+
+
+def _check_gpu_cap(config: Any, plan: Any, model_args: Any, cap_gib: float) -> None:
+    """``kt_gpu_memory`` too small for the run even with every auto-placed expert on the CPU: stop
+    before any weight is read (``rules/report.py`` ``check_gpu_cap``)."""
+    from ..hparams import recipe_source
+    from ..rules.report import TrainSizes, check_gpu_cap
+    from ..rules.skeleton import meta_model
+
+    cutoff, batch = getattr(model_args, "_kt_ft_micro_batch", None) or (
+        model_args.model_max_length or 2048,
+        1,
+    )
+    sizes = TrainSizes(cutoff, batch, getattr(model_args, "_kt_ft_lora_rank", 8))
+    check_gpu_cap(meta_model(config, torch.bfloat16), plan, torch.bfloat16, sizes, cap_gib, recipe_source())
 
 
 def take_expert_stream(model_args: Any):

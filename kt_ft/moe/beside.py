@@ -92,6 +92,7 @@ class SharedBeside:
         self.started = 0  # counters for tests
         self.taken = 0
         self._warned = False
+        self._skipped = False  # ``skip``: the block's next call computes the branch itself
 
     def branch(self, x: torch.Tensor) -> torch.Tensor:
         b = self.block
@@ -110,6 +111,7 @@ class SharedBeside:
 
     def start(self, x: torch.Tensor) -> None:
         """Queue ``branch(x)`` now (x [T, H]); ``take`` of the same data later returns it."""
+        self._skipped = False
         if self._pending is not None:
             self._warn("the block did not take the shared experts started for its last call")
         self.started += 1
@@ -127,6 +129,14 @@ class SharedBeside:
         params = self.trainable_parameters()
         self._pending = (key, lambda: _AttachBeside.apply((out, [leaf, *params]), x, *params))
 
+    def skip(self) -> None:
+        """Nothing started for this call (the layer has no CPU op to overlap): the block's call of
+        the shared branch computes it as usual, on the model's graph."""
+        if self._pending is not None:
+            self._warn("the block did not take the shared experts started for its last call")
+        self._pending = None
+        self._skipped = True
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The branch's parameters that need a gradient (PEFT LoRA), read at each call: PEFT may
         wrap the block after kt-ft installed this."""
@@ -138,6 +148,9 @@ class SharedBeside:
         """The started result for ``x`` (any shape over the started data) attached to the graph,
         as x's shape; None if nothing was started for this data (the caller computes it)."""
         pending, self._pending = self._pending, None
+        if pending is None and self._skipped:
+            self._skipped = False
+            return None
         if pending is None or pending[0] != self._key(x):
             self._warn("the shared experts were called with another input than the routed experts got")
             return None

@@ -30,11 +30,21 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype
-from ..kernels.grouped_device import Groups, grouped_expert_forward
+from ..kernels.grouped_device import FusedGroupedExperts, Groups, grouped_expert_forward
 from .function import prefetch_grad_out
 from .inner_graph import inner_grads, take_inner
 from .resident import ResidentExperts
 from .streamed import StreamedExperts
+
+
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64 on ids' device: how often each of 0..n-1 occurs in ``ids`` (int64, any shape).
+
+    ``torch.bincount`` on CUDA reads ``ids.max()`` back to the host to size its output, a host
+    sync per call even with ``minlength`` (two per layer and pass in a profiled run); a
+    ``scatter_add_`` into [n] zeros queues without one."""
+    flat = ids.reshape(-1)
+    return torch.zeros(n, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class DeviceExperts:
@@ -67,6 +77,9 @@ class DeviceExperts:
         self._lora_key: tuple | None = None
         self._lora_dev: list[torch.Tensor] | None = None
         self.lora_copies = 0  # host -> device copies of the LoRA rows (a test counts them)
+        self._casts: dict[
+            int, tuple
+        ] = {}  # first local index of a placement -> (key, LoRA in the weights' dtype)
         self.cpu_follows = len(self.ids) < self.num_experts  # False: the CPU op is skipped entirely
         # device -> the CPU op's expert ids there (``cpu_ids``)
         self._cpu_ids = {torch.device("cpu"): (self._local_cpu < 0).nonzero().flatten()}
@@ -89,6 +102,11 @@ class DeviceExperts:
             self._ids_dev = self._ids_cpu.to(device)
         if self.streamed is not None:
             self.streamed.begin(device)
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T, k] int64 (on the device) -> their device indices [T, k] (-1: not on the device);
+        the ids themselves when the device holds every expert in order."""
+        return ids if self._all else self._local[ids]
 
     def split(
         self, ids: torch.Tensor, weights: torch.Tensor
@@ -146,6 +164,13 @@ class DeviceExperts:
             lo = _LoraToDevice.apply(self, x.device, *lora)
         inputs = (x, weights, *lo)
         k = local.shape[1]
+        if not self.cpu_follows and self.streamed is None:
+            # every expert of the layer resident: no CPU op to order the work around, so the share
+            # goes on the model's graph as it is (a graph of its own and the nested backward that
+            # differentiates it cost ~1.4 ms of host time a layer and pass in a profiled run)
+            out = self._compute(x, weights, LoraTensors(*lo), scaling, order, parts, k)
+            self._done()
+            return lambda: out
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
             out = self._compute(x, weights, LoraTensors(*lo), scaling, order, parts, k)
             self._done()
@@ -184,7 +209,7 @@ class DeviceExperts:
         placements with pairs, in that order)."""
         flat = local.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts_dev = torch.bincount(flat + 1, minlength=len(self.ids) + 1)  # [pairs elsewhere, e0, e1, ...]
+        counts_dev = count_ids(flat + 1, len(self.ids) + 1)  # [pairs elsewhere, e0, e1, ...]
         r, n = self.num_resident, len(self.ids)
         spans = [(lambda: self.resident.weights, 0, r)] if r else []
         if n > r:
@@ -206,15 +231,50 @@ class DeviceExperts:
 
     def _compute(self, x, weights, lo: LoraTensors, scaling: float, order, parts: list[_Part], k: int):
         """The formula of the module doc for every device expert with pairs -> [T, H] accum dtype:
-        one grouped product per projection for the resident experts and one for the streamed ones
-        (``kernels/grouped_device.py``), whatever their number."""
+        one grouped product per projection for the resident experts and one for the streamed ones,
+        each placement's share one autograd node (``kernels/grouped_device.py``
+        ``FusedGroupedExperts``; ``compute_reference`` is its twin under plain autograd)."""
+        out = None
+        for part in parts:
+            src = part.weights()  # streamed: the current stream waits (on the device) for their copy here
+            pairs = order[part.offset : part.offset + part.rows]
+            rows = LoraTensors(*(t[part.j0 : part.j1] for t in lo))
+            share = FusedGroupedExperts.apply(
+                x, weights, *rows, src, scaling, part.groups, pairs, k, self._lora_cast(part.j0)
+            )
+            out = share if out is None else out + share
+        return out
+
+    def _lora_cast(self, j0: int):
+        """For a placement starting at local index ``j0``: the six LoRA slices -> ([Ag; Au], Bg, Bu,
+        Ad, Bd) in the weights' dtype, computed once while the parameters are unchanged (their
+        storages and version counters: the optimizer steps them in place), so the forward, the
+        checkpointed recompute and every micro-batch of a step share one cast."""
+
+        def cast(ga, gb, ua, ub, da, db):
+            ts = (ga, gb, ua, ub, da, db)
+            key = tuple((t.data_ptr(), t._version, t.shape[0], t.device) for t in ts)
+            hit = self._casts.get(j0)
+            if hit is None or hit[0] != key:
+                dt = self.dtype
+                hit = (key, (torch.cat([ga, ua], 1).to(dt), gb.to(dt), ub.to(dt), da.to(dt), db.to(dt)))
+                self._casts[j0] = hit
+            return hit[1]
+
+        return cast
+
+    def compute_reference(
+        self, x, weights, lo: LoraTensors, scaling: float, order, parts: list[_Part], k: int
+    ):
+        """``_compute`` under plain autograd, one op at a time (``grouped_expert_forward``): the
+        reference twin the tests compare ``FusedGroupedExperts`` with."""
         dt = self.dtype
         out = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(dt), device=x.device)
         lo = LoraTensors(*(t.to(dt) for t in lo))
         w_flat = weights.reshape(-1)
         xd = x.to(dt)
         for part in parts:
-            src = part.weights()  # streamed: the current stream waits (on the device) for their copy here
+            src = part.weights()
             pairs = order[part.offset : part.offset + part.rows]
             tok = torch.div(pairs, k, rounding_mode="floor")
             d = grouped_expert_forward(

@@ -35,7 +35,7 @@ from ..kernels.base import (
 )
 from ..lora.fused import init_expert_lora
 from .beside import SharedBeside
-from .device_experts import DeviceExperts
+from .device_experts import DeviceExperts, count_ids
 from .function import CPUExpertsFunction, ExpertRunner
 from .resident import ResidentExperts
 from .streamed import StreamedExperts, StreamScheduler
@@ -168,7 +168,7 @@ class KTExperts(nn.Module):
         if self.count_routing and self.training:
             # on the router's device, no host sync; both passes of a checkpointed layer count,
             # which scales every expert alike (the re-planner compares distributions)
-            c = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts)
+            c = count_ids(top_k_index, self.num_experts)
             self.routing_counts = c if self.routing_counts is None else self.routing_counts + c
         # first pass of a reentrant-checkpointed layer: keep the CPU result for its recompute
         first_pass = not torch.is_grad_enabled() and self.training and any(p.requires_grad for p in lora)
@@ -177,12 +177,13 @@ class KTExperts(nn.Module):
             # streamed experts: this layer's copy (and the next layer's prefetch) queued first
             dev.begin(hidden_states.device)
             weights = top_k_weights
-            local, top_k_index, top_k_weights = dev.split(top_k_index, weights)
             if not dev.cpu_follows:  # every expert on the device: no CPU op call at all
-                if beside is not None:  # the block takes it as usual (no overlap to gain here)
-                    beside.start(hidden_states)
+                if beside is not None:  # nothing to overlap: the block computes its shared branch itself
+                    beside.skip()
+                local = dev.local_ids(top_k_index)
                 out = dev.start(hidden_states, local, weights, lora, self.scaling, self.lora_on_device)()
                 return out.to(hidden_states.dtype)
+            local, top_k_index, top_k_weights = dev.split(top_k_index, weights)
         # the CPU op reads CPU LoRA: a host mirror when the parameters live on the device
         cpu_lora = LoraTensors(*_LoraToHost.apply(self, *lora)) if self.lora_on_device else lora
         if dev is not None or beside is not None:

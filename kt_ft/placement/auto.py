@@ -121,6 +121,7 @@ def plan_auto(
     layer_scale: float = 1.0,
     lora_on_gpu: dict[int, bool] | None = None,
     training_device: torch.device | None = None,
+    cuda_overhead_bytes: int | None = None,
 ) -> Choice | None:
     """Choose and write ``gpu_experts`` / ``stream_experts`` (ids) of every ``placement: auto`` layer.
 
@@ -132,6 +133,8 @@ def plan_auto(
     ``training_device``: the device of the run being planned, which decides where the expert LoRA
     of layers with GPU experts lives (``lora_home``); None: the plan's, as resolved on this
     machine (``kt-ft rules plan`` for a GPU machine from a CPU-only one passes the rules' device).
+    ``cuda_overhead_bytes``: the training GPU's memory outside PyTorch's allocator, as a run
+    measured it (None: ``rules/report.py``'s estimate).
     Returns the planner's choice (None: no auto layer)."""
     autos = auto_layers(plan)
     if not autos:
@@ -139,7 +142,7 @@ def plan_auto(
     for e in autos:
         e.gpu_experts = e.stream_experts = None
     base = (
-        estimate(model, plan, dtype, sizes)["devices"]
+        estimate(model, plan, dtype, sizes, cuda_overhead_bytes)["devices"]
         .get(training_device_key(plan), {})
         .get("total_bytes", 0)
     )

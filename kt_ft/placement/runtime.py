@@ -9,7 +9,7 @@ planner; its split is written into the plan's ``gpu_experts`` / ``stream_experts
 
 Re-planning (``Replanner``, every ``kt_replan_steps`` optimizer steps, from the trainer
 callback): each ``KTExperts`` counts its routed pairs per expert on the router's device (a
-bincount, no host sync); at a check the counts since the last check are read (one sync), and
+scatter-add, no host sync); at a check the counts since the last check are read (one sync), and
 when some layer's distribution moved by more than ``kt_replan_threshold`` (total variation
 distance) from the one the current split was planned with, the planner runs again with the
 counts and each layer's resident and streamed experts are re-assigned
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..log import get_logger
+from ..log import fmt_bytes, get_logger
 from ..rules.plan import PlacementPlan
-from ..rules.report import TrainSizes
+from ..rules.report import CUDA_GROWTH_BYTES, TrainSizes
 from .auto import auto_layers, format_placement, layer_shape, placement_section, plan_auto
 from .cost import LayerShape, Rates
 from .measure import describe, machine_rates
@@ -53,9 +53,28 @@ GIB = 2**30
 
 
 def default_cap_bytes(device: torch.device) -> int:
-    """GPU memory this run may use: what this process already holds plus what is free."""
+    """GPU memory this run may use: what this process already holds (its CUDA runtime and its
+    allocator's memory) plus what is free."""
     free, _ = torch.cuda.mem_get_info(device)
-    return int(free + torch.cuda.memory_reserved(device))
+    return int(free + torch.cuda.memory_reserved(device) + cuda_overhead_now(device))
+
+
+def cuda_overhead_now(device: torch.device) -> int:
+    """The device memory in use outside PyTorch's allocator (the CUDA context, library handles; on a
+    shared GPU other processes too), as the driver reports it: total - free - reserved."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total - free - torch.cuda.memory_reserved(device)))
+
+
+def limit_allocator(device: torch.device, cap_bytes: int, overhead_bytes: int) -> int:
+    """Hold PyTorch's caching allocator on ``device`` to ``cap_bytes - overhead_bytes`` of reserved
+    memory (``torch.cuda.set_per_process_memory_fraction``): on reaching it the allocator frees
+    its cached blocks and retries before it fails, so fragmentation and cached blocks never take
+    the process past the cap the driver sees. Returns the allocator's limit in bytes."""
+    _, total = torch.cuda.mem_get_info(device)
+    limit = max(0, cap_bytes - overhead_bytes)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    return limit
 
 
 @dataclass
@@ -70,6 +89,7 @@ class AutoContext:
     cap_bytes: int | None
     expert_budget_bytes: int | None = None  # the bench's budget for the experts (instead of cap_bytes)
     layer_scale: float = 1.0
+    cuda_overhead_bytes: int | None = None  # measured at start + CUDA_GROWTH_BYTES (None: estimated)
 
 
 def auto_at_start(
@@ -101,11 +121,14 @@ def auto_at_start(
         rates = machine_rates(
             shape, backend, first.threads or 1, tokens, sizes.lora_rank, remeasure, cuda=cuda
         )
-    cap = None
+    cap = overhead = None
     if gpu_memory_gib is not None:
         cap = int(gpu_memory_gib * GIB)
     elif cuda:
         cap = default_cap_bytes(device)
+    if cuda and expert_budget_bytes is None:
+        # the cap is what the driver reports: the CUDA runtime outside PyTorch's allocator counts
+        overhead = cuda_overhead_now(device) + CUDA_GROWTH_BYTES
     choice = plan_auto(
         model,
         plan,
@@ -115,7 +138,15 @@ def auto_at_start(
         cap,
         expert_budget_bytes=expert_budget_bytes,
         layer_scale=layer_scale,
+        cuda_overhead_bytes=overhead,
     )
+    if cuda and gpu_memory_gib is not None and overhead is not None:
+        limit = limit_allocator(device, cap, overhead)
+        logger.info(
+            f"kt_gpu_memory={gpu_memory_gib:g}: {fmt_bytes(overhead - CUDA_GROWTH_BYTES)} of {device} in use outside "
+            f"PyTorch's allocator now (CUDA context) + {fmt_bytes(CUDA_GROWTH_BYTES)} kept for kernels loaded later: "
+            f"the allocator is held to {fmt_bytes(limit)} (torch.cuda.set_per_process_memory_fraction)"
+        )
     section = placement_section(
         model, plan, dtype, sizes, rates, choice, describe(rates, shape, sizes.lora_rank)
     )
@@ -123,7 +154,9 @@ def auto_at_start(
         f"placement: auto for {len(autos)} MoE layers, {tokens} tokens a micro-batch:"
         + format_placement(section)
     )
-    return AutoContext(model, plan, dtype, sizes, rates, cap, expert_budget_bytes, layer_scale), choice
+    return AutoContext(
+        model, plan, dtype, sizes, rates, cap, expert_budget_bytes, layer_scale, overhead
+    ), choice
 
 
 def tv_distance(p: Sequence[float], q: Sequence[float]) -> float:
@@ -179,7 +212,8 @@ class Replanner:
         # without link / GPU rates every expert stays on the CPU whatever the counts: count nothing
         self.active = ctx.rates.has_gpu
         for m in self.modules.values():
-            m.count_routing = self.active
+            # only re-planning reads the counts: none kept (3 kernels a layer and pass) without it
+            m.count_routing = self.active and every > 0
 
     def _modules(self) -> dict[int, torch.nn.Module]:
         from ..moe.experts import KTExperts
@@ -375,6 +409,7 @@ class Replanner:
             popularity=counts,
             expert_budget_bytes=ctx.expert_budget_bytes,
             layer_scale=ctx.layer_scale,
+            cuda_overhead_bytes=ctx.cuda_overhead_bytes,
             # the expert LoRA stays where the run put it (``moe/patch.py``): count what is on the GPU
             lora_on_gpu={layer: m.lora_on_device for layer, m in self.modules.items()},
         )

@@ -19,7 +19,13 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
   a = bytes per activation value (2 for 16-bit weights, else 4):
   L·B·S·H·a (each decoder layer's checkpointed input) + 17·B·S·H·a (one layer recomputed
   for its backward: Korthikanti et al. 2022's 34·s·b·h bytes at 2 bytes a value, fused
-  attention, no s² term) + 2·B·S·V·4 (fp32 logits and their gradient).
+  attention, no s² term) + 14·B·S·V (the loss: 16-bit logits, their fp32 copy, the fp32
+  log-softmax and the fp32 gradient, alive together in its backward; 2·B·S·V·4 before, which a
+  DeepSeek-V2-Lite run outgrew by ~1.2 GiB).
+* the CUDA runtime outside PyTorch's allocator (context, library handles, kernels loaded while
+  the run goes): ``CUDA_OVERHEAD_BYTES`` for a plan made before any GPU work; a run measures the
+  context it has and keeps ``CUDA_GROWTH_BYTES`` for what loads later
+  (``placement/runtime.py``).
   With routed experts on the GPU (resident or streamed): + one recomputed layer's expert
   activations, B·S·k·(3·I + H)·4 (worst case: every pair of the layer on the GPU; the planner's
   reserve, ``kt_ft/placement/cost.py``).
@@ -42,6 +48,11 @@ from .plan import PlacementPlan
 
 TRAIN_STATE_BYTES = 16  # per trainable parameter: fp32 weight + grad + 2 AdamW moments
 LAYER_WORKSET = 17  # values per token x H of one recomputed decoder layer (see module docstring)
+LOSS_BYTES_PER_LOGIT = 14  # 16-bit logits + fp32 copy + fp32 log-softmax + fp32 gradient (module doc)
+# the CUDA context and library workspaces outside PyTorch's allocator (a plan made before any GPU
+# work; a run measures its own), and what kernels loaded later add to it
+CUDA_OVERHEAD_BYTES = 768 * 2**20
+CUDA_GROWTH_BYTES = 256 * 2**20
 GIB = 2**30
 
 
@@ -131,8 +142,17 @@ def _expert_groups(plan: PlacementPlan) -> list[dict]:
     return out
 
 
-def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, sizes: TrainSizes) -> dict:
-    """Every number of ``kt-ft rules plan`` as a JSON-ready dict (bytes, counts, groups, devices)."""
+def estimate(
+    model: torch.nn.Module,
+    plan: PlacementPlan,
+    dtype: torch.dtype,
+    sizes: TrainSizes,
+    cuda_overhead_bytes: int | None = None,
+) -> dict:
+    """Every number of ``kt-ft rules plan`` as a JSON-ready dict (bytes, counts, groups, devices).
+
+    ``cuda_overhead_bytes``: the training GPU's memory outside PyTorch's allocator (a run passes
+    what it measured plus ``CUDA_GROWTH_BYTES``); None: ``CUDA_OVERHEAD_BYTES + CUDA_GROWTH_BYTES``."""
     elt = torch.empty((), dtype=dtype).element_size()
     experts = {e.name: e for e in plan.experts}
     train_dev = _device(plan.module_devices.get("", "cuda"))
@@ -140,7 +160,14 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
 
     def dev(d: str) -> dict:
         return devices.setdefault(
-            d, {"param_bytes": 0, "lora_params": 0, "train_state_bytes": 0, "activation_bytes": 0}
+            d,
+            {
+                "param_bytes": 0,
+                "lora_params": 0,
+                "train_state_bytes": 0,
+                "activation_bytes": 0,
+                "runtime_bytes": 0,
+            },
         )
 
     # parameters, by owning module
@@ -209,7 +236,12 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
     text = _text_config(model)
     H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
     a = 2 if elt == 2 else 4
-    gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + 2 * tokens * V * 4 + gpu_expert_act
+    gpu_act = (
+        L * tokens * H * a
+        + LAYER_WORKSET * tokens * H * a
+        + LOSS_BYTES_PER_LOGIT * tokens * V
+        + gpu_expert_act
+    )
     cpu_act = 0
     for e in plan.experts:
         num, _, inter = _expert_dims(model, e)
@@ -218,8 +250,14 @@ def estimate(model: torch.nn.Module, plan: PlacementPlan, dtype: torch.dtype, si
         cpu_act += tokens * (k * 3 * inter + 2 * H) * 4
     dev(train_dev)["activation_bytes"] += gpu_act
     dev("cpu")["activation_bytes"] += cpu_act
+    if train_dev.startswith("cuda"):
+        dev(train_dev)["runtime_bytes"] = (
+            CUDA_OVERHEAD_BYTES + CUDA_GROWTH_BYTES if cuda_overhead_bytes is None else cuda_overhead_bytes
+        )
     for d in devices.values():
-        d["total_bytes"] = d["param_bytes"] + d["train_state_bytes"] + d["activation_bytes"]
+        d["total_bytes"] = (
+            d["param_bytes"] + d["train_state_bytes"] + d["activation_bytes"] + d["runtime_bytes"]
+        )
 
     groups = _expert_groups(plan)
     for (d, in_layer), (layers, numel) in sorted(non_expert.items(), key=lambda kv: (not kv[0][1], kv[0][0])):
@@ -276,7 +314,8 @@ def format_report(report: dict, model_dir: str) -> str:
         sizes = (d["param_bytes"], d["train_state_bytes"], d["activation_bytes"], d["total_bytes"])
         lines.append(f"  {name:<8}" + "".join(f"{fmt_bytes(n):>12}" for n in sizes) + f"{budget:>12}  {fits}")
     lines.append(
-        "  (LoRA+optim: 16 bytes per trainable parameter; activations: estimate, kt_ft/rules/report.py)"
+        "  (LoRA+optim: 16 bytes per trainable parameter; activations: estimate, kt_ft/rules/report.py;"
+        " a GPU's total includes the CUDA runtime outside PyTorch's allocator)"
     )
     st = report.get("stream") or {}
     if st.get("layers"):
@@ -304,3 +343,31 @@ def _expert_dims(model, placement) -> tuple[int, int, int]:
 
 def _text_config(model):
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def check_gpu_cap(
+    model: torch.nn.Module,
+    plan: PlacementPlan,
+    dtype: torch.dtype,
+    sizes: TrainSizes,
+    cap_gib: float,
+    where: str,
+) -> None:
+    """Before any weight is read: the least the training GPU needs with ``plan`` (every
+    ``placement: auto`` expert on the CPU, the other rules as written) must fit ``cap_gib``, else a
+    KTConfigError that says what it takes and what would fit (``where``: the recipe, for the message)."""
+    from ..errors import KTConfigError
+
+    report = estimate(model, plan, dtype, sizes)
+    train = next((d for name, d in report["devices"].items() if name.startswith("cuda")), None)
+    if train is None or train["total_bytes"] <= cap_gib * GIB:
+        return
+    need = train["total_bytes"] / GIB
+    raise KTConfigError(
+        f"{where}: kt_gpu_memory={cap_gib:g} cannot hold this run: with every placement: auto expert on the CPU "
+        f"the training GPU still needs {need:.1f} GiB (weights {fmt_bytes(train['param_bytes'])}, LoRA and optimizer "
+        f"{fmt_bytes(train['train_state_bytes'])}, activations at cutoff_len {sizes.cutoff_len} x batch "
+        f"{sizes.batch} {fmt_bytes(train['activation_bytes'])}, CUDA runtime {fmt_bytes(train['runtime_bytes'])}); "
+        f"valid: kt_gpu_memory >= {need:.1f}, or a smaller cutoff_len / per_device_train_batch_size "
+        "(`kt-ft rules plan --gpu-mem` shows the numbers)"
+    )
