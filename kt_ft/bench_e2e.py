@@ -5,7 +5,8 @@ What a user runs, at the depth the disk allows: a random-weight model of a real 
 trained here, and a dataset of long examples (each longer than ``cutoff_len``, so every micro-batch
 holds exactly ``cutoff_len`` tokens). Each system is one `llamafactory-cli train` process on the
 same recipe (LoRA r 8 / alpha 16, ``lora_target: all``, batch 1, gradient accumulation 4, bf16 where
-there is a GPU, LLaMA-Factory's default gradient checkpointing), differing only in its kt-ft keys:
+there is a GPU, LLaMA-Factory's default gradient checkpointing, kt-ft's default ``cpu_infer`` unless
+``--cpu-infer`` says otherwise), differing only in its kt-ft keys:
 
 - ``peft``: ``use_kt: false`` -- transformers + PEFT as LLaMA-Factory runs them (PEFT 0.18's
   ``lora_target: all`` puts no LoRA on the fused experts; LLaMA-Factory 0.9.5 has no recipe key
@@ -191,6 +192,7 @@ def write_recipe(
     grad_accum: int,
     threads: int,
     bf16: bool,
+    cpu_infer: int | None = None,
 ) -> Path:
     """``run_dir/recipe.yaml``: the common recipe plus ``system``'s kt-ft keys."""
     recipe = {
@@ -226,7 +228,9 @@ def write_recipe(
         "bf16": bf16,
     }
     if system.use_kt:
-        recipe.update(use_kt=True, cpu_infer=threads, chunk_size=cutoff_len, kt_backend=system.backend)
+        recipe.update(use_kt=True, chunk_size=cutoff_len, kt_backend=system.backend)
+        if cpu_infer is not None:  # else kt-ft's default, as a recipe without the key gets
+            recipe["cpu_infer"] = cpu_infer
         rule = write_rule(run_dir, preset, system)
         if rule is not None:
             recipe["kt_optimize_rule"] = str(rule)
@@ -441,6 +445,7 @@ def run_e2e(
     steps: int = 5,
     grad_accum: int = 4,
     threads: int,
+    cpu_infer: int | None = None,
     timeout_s: float = 900,
     json_path: str | None = None,
     keep_model: bool = True,
@@ -467,7 +472,7 @@ def run_e2e(
         run_dir.mkdir(parents=True)
         recipe = write_recipe(
             run_dir, system, model_dir=model_dir, data_dir=data_dir, preset=preset, cutoff_len=cutoff_len,
-            steps=steps, grad_accum=grad_accum, threads=threads, bf16=cuda,
+            steps=steps, grad_accum=grad_accum, threads=threads, bf16=cuda, cpu_infer=cpu_infer,
         )  # fmt: skip
         print(f"[{system.name}] llamafactory-cli train {recipe}", flush=True)
         # KT_FT_PROFILE=DIR for the bench: each run profiles one step into DIR/<system> (that step

@@ -155,6 +155,7 @@ def _bench(args: argparse.Namespace) -> int:
         layers = int(args.layers) if args.layers else None
         run_e2e(preset=args.preset, layers=layers, systems=e2e_systems, workdir=Path(args.workdir),
                 cutoff_len=args.seq, steps=args.e2e_steps, grad_accum=args.grad_accum, threads=args.threads,
+                cpu_infer=args.cpu_infer,
                 timeout_s=args.run_timeout, json_path=args.json if parts == ["e2e"] else None)  # fmt: skip
         parts = [p for p in parts if p != "e2e"]
         if not parts:
@@ -265,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--e2e-steps", type=int, default=5, help="e2e part: optimizer steps per run (max_steps)"
+    )
+    bench.add_argument(
+        "--cpu-infer",
+        type=int,
+        default=None,
+        help="e2e part: the recipes' cpu_infer (default: kt-ft's default)",
     )
     bench.add_argument("--grad-accum", type=int, default=4, help="e2e part: gradient_accumulation_steps")
     bench.add_argument(

@@ -46,7 +46,8 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
     env = {**os.environ, "KT_FT_PROFILE": str(tmp_path / "prof"), "KT_FT_PROFILE_STEP": "2"}
     proc = subprocess.run(
         [sys.executable, "-m", "kt_ft.cli", "bench", "--parts", "e2e", "--preset", "tiny", "--seq", "64",
-         "--e2e-steps", "3", "--grad-accum", "2", "--threads", "1", "--e2e-systems", "peft,kt-cpu:torch,kt-auto",
+         "--e2e-steps", "3", "--grad-accum", "2", "--threads", "1", "--cpu-infer", "1",
+         "--e2e-systems", "peft,kt-cpu:torch,kt-auto",
          "--workdir", str(tmp_path / "work"), "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip

@@ -132,6 +132,9 @@ class KTExperts(nn.Module):
         if old_res is None or old_res.ids != res_ids:
             if device is None and old_res is not None:
                 device = old_res.device
+            # the old resident weights go before the new ones are copied: under kt_gpu_memory the
+            # allocator has no room for two copies of a layer (``placement/runtime.py``)
+            self.device_experts = self.resident = old_res = None
             self.resident = ResidentExperts(base, res_ids) if res_ids else None
         if (old_st.ids if old_st is not None else ()) != st_ids:
             if old_st is not None:
