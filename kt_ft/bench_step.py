@@ -182,7 +182,9 @@ def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int, place
     note = ""
     if placement is not None:
         note = placement.apply(model, plan, seq) + "; "
-    summary = replace_routed_experts(model, plan, LORA_RANK, lora_scaling(rank=LORA_RANK, alpha=LORA_ALPHA), seq, seed=0)
+    summary = replace_routed_experts(
+        model, plan, LORA_RANK, lora_scaling(rank=LORA_RANK, alpha=LORA_ALPHA), seq, seed=0
+    )
     model.to(device)  # what the HF Trainer does; KTExperts stay on the CPU
     return model, f"{note}backend {summary.backend}, {summary.threads} threads"
 
