@@ -312,6 +312,9 @@ class E2ERecord:
     steps_logged: int = 0
     tokens_per_step: float | None = None
     tok_s: float | None = None  # between the first and the last logged step
+    # over the last half of the steps: a placement: auto run settles its split in its first steps
+    # (calibration, trial: placement/runtime.py), a long run runs at this rate
+    tok_s_last_half: float | None = None
     step_s: list[float] = field(default_factory=list)  # per optimizer step after the first
     first_loss: float | None = None
     gpu_peak_bytes: int | None = None
@@ -359,6 +362,13 @@ def rate_from_log(
     rate = sum(n for n, _ in pairs) / secs if pairs and secs > 0 else None
     per_step = (tok[-1] - tok[0]) / (len(rows) - 1)
     return rate, steps, per_step
+
+
+def last_half_rate(rows: list[dict], skip_step: int | None = None) -> float | None:
+    """Tokens/s over the last half (rounded up) of the logged steps after the first, ``skip_step``
+    left out (as ``rate_from_log``)."""
+    half = len(rows) - 1 - (len(rows) - 1) // 2
+    return rate_from_log(rows[-half - 1 :], skip_step)[0] if half > 0 else None
 
 
 _PREDICTED = re.compile(r"predicted step ([0-9.]+) ms")
@@ -409,6 +419,7 @@ def run_system(
         steps_logged=len(rows),
         tokens_per_step=per_step,
         tok_s=rate,
+        tok_s_last_half=last_half_rate(rows, skip),
         step_s=steps,
         first_loss=rows[0].get("loss") if rows else None,
         gpu_peak_bytes=mon.gpu_peak,
@@ -534,11 +545,13 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
         f"\nllamafactory-cli train, {r0.preset} x{r0.layers} layers, cutoff_len {cutoff_len}, batch 1 x "
         f"{grad_accum} accumulation; tokens/s between the first and last logged steps (LF's trainer_log.jsonl)"
     )
-    head = f"{'system':<20}{'tok/s':>9}{'x peft':>8}{'GPU peak':>10}{'x peft':>8}{'host peak':>11}{'host rise':>11}"
+    head = f"{'system':<20}{'tok/s':>9}{'x peft':>8}{'last half':>10}{'GPU peak':>10}{'x peft':>8}"
+    head += f"{'host peak':>11}{'host rise':>11}"
     head += f"{'ms/micro':>10}{'predicted':>11}{'loss 1':>9}"
     print(head)
     for r in records:
         tok = f"{r.tok_s:,.0f}" if r.tok_s else "-"
+        half = f"{r.tok_s_last_half:,.0f}" if r.tok_s_last_half else "-"
         xs = f"{r.tok_s / base.tok_s:.2f}" if base and r.tok_s else "-"
         gpu = f"{r.gpu_peak_bytes / GIB:.2f}G" if r.gpu_peak_bytes else "-"
         xg = (
@@ -550,7 +563,7 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
         pred = f"{r.predicted_micro_s * 1e3:.0f}" if r.predicted_micro_s else "-"
         loss = f"{r.first_loss:.4f}" if r.first_loss is not None else "-"
         print(
-            f"{r.system:<20}{tok:>9}{xs:>8}{gpu:>10}{xg:>8}{r.host_peak_bytes / GIB:>10.1f}G"
+            f"{r.system:<20}{tok:>9}{xs:>8}{half:>10}{gpu:>10}{xg:>8}{r.host_peak_bytes / GIB:>10.1f}G"
             f"{r.host_rise_bytes / GIB:>10.1f}G{meas:>10}{pred:>11}{loss:>9}"
             + (f"  {r.note}" if r.note else "")
         )

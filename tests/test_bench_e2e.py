@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kt_ft.bench_e2e import parse_systems, rate_from_log
+from kt_ft.bench_e2e import last_half_rate, parse_systems, rate_from_log
 
 
 def test_rate_from_log_uses_lf_elapsed_time_and_skips_a_step():
@@ -27,6 +27,8 @@ def test_rate_from_log_uses_lf_elapsed_time_and_skips_a_step():
     rate, _, _ = rate_from_log(rows, skip_step=4)
     assert rate == pytest.approx(200 / 3)
     assert rate_from_log(rows[:1]) == (None, [], None)
+    assert last_half_rate(rows) == pytest.approx(200 / 7)  # steps 3 and 4 (1 s + 6 s)
+    assert last_half_rate(rows[:3]) == pytest.approx(100 / 1)  # step 3 alone
 
 
 def test_parse_systems_names_the_valid_forms():
