@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the lent GPU machine (see README "GPU machine"): environment facts, the tests that
+# One call on the lent GPU machine (docs/benchmarks.md): environment facts, the tests that
 # run there (GPU parity, kt-kernel parity, kernels, rules, checkpoints; llamafactory is absent
 # there), then the CPU expert op benchmark. Everything lands in $OUT.
 #   carry: .ktk (kt_kernel/ with its amx .so + kt_kernel.libs/, unpacked from the cp312 wheel), .whl (gguf)
@@ -10,7 +10,7 @@ export PYTHONPATH="$PWD:$PWD/.ktk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PARTS=${PARTS:-tests,op,step}  # also: e2e, overlap, placement, probe, qprobe
 if [[ ",$PARTS," == *,e2e,* ]]; then
   # the product path: LLaMA-Factory 0.9.5's stack and a kt-ft wheel (its .pth start-up hook) installed
-  # for real into the machine's python (carry .whl: `pip download` list in README "Benchmark")
+  # for real into the machine's python (carry .whl: `pip download` list in docs/benchmarks.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || exit 1
   export DISABLE_VERSION_CHECK=1
 elif ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (gguf, which kt_kernel imports)

@@ -1,7 +1,7 @@
 """Portable fast backend: (token, slot) pairs sorted by expert once per call, dense GEMMs per
 expert on contiguous slices, hand-written backward.
 
-Layout choices (measured on a 16-core Sapphire-Rapids-class Xeon, see README "Performance"):
+Layout choices (measured on a 16-core Sapphire-Rapids-class Xeon, see docs/benchmarks.md):
 * each expert's rows are padded to a multiple of ``ROW_PAD`` (padding rows carry routing
   weight 0 and are never read back): oneDNN builds one GEMM kernel per shape and caches about
   a thousand, so raw per-expert row counts (a new shape almost every call) made every product

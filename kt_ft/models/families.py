@@ -144,7 +144,7 @@ FAMILIES: dict[str, MoEFamily] = {
             n_shared_experts=1,
             num_experts_per_tok=2,
             # greedy as in V2-Lite; transformers 5.6's group_limited_greedy (V2) reads a
-            # missing attribute (DeepseekV2Moe.num_experts), see README "Model families"
+            # missing attribute (DeepseekV2Moe.num_experts), see README "Known traps"
             topk_method="greedy",
             routed_scaling_factor=1.5,  # applied in HF's router: the experts get scaled weights
             norm_topk_prob=False,

@@ -126,12 +126,12 @@ def replace_routed_experts(
         proto, reason = backends[key]
         backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
         gpu = place.gpu_experts
-        # a count takes the first ids: no routing counts exist before training (README: gpu_experts)
+        # a count takes the first ids: no routing counts exist before training (docs/placement.md: GPU-resident experts)
         num = hf.gate_up_proj.shape[0]
         ids = pick_resident_ids(num, gpu.ids, gpu.count) if gpu is not None else ()
         if ids:
             resident[place.layer] = ids
-        st = place.stream_experts  # a count: the first non-resident ids (README: Streamed experts)
+        st = place.stream_experts  # a count: the first non-resident ids (docs/placement.md: Streamed experts)
         stream_ids = pick_stream_ids(num, ids, st.ids, st.count) if st is not None else ()
         if stream_ids:
             streamed[place.layer] = stream_ids

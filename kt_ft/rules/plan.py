@@ -97,7 +97,7 @@ def _stream_problems(
     rule: Rule, name: str, gpu: GpuExpertSpec | None, spec: GpuExpertSpec, num_experts: int
 ) -> list[str]:
     """A layer's ``stream`` entry against the model and its resident experts (a resident count
-    takes ids 0..count-1, as at load: README "GPU-resident experts")."""
+    takes ids 0..count-1, as at load: docs/placement.md "GPU-resident experts")."""
     from ..moe.resident import pick_resident_ids
 
     path = f"{rule.where}: stream"
