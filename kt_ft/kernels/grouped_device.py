@@ -178,8 +178,8 @@ class FusedGroupedExperts(torch.autograd.Function):
     on the GPU is bound by host time, not the GPU's (a profiled DeepSeek-V2-Lite step: 0.9 s of GPU
     work in 2.4 s): each node costs its launch plus the autograd engine's bookkeeping. Here the
     forward queues ~20 kernels and the backward ~35, with no per-node engine work. ``lora_cast``:
-    a callable giving the LoRA in the compute dtype, [Ag; Au] stacked (cached by its caller across
-    the passes of a step while the parameters are unchanged)."""
+    a callable giving the LoRA in the compute dtype as ``stack_lora`` lays it out (cached by its
+    caller across the passes of a step while the parameters are unchanged)."""
 
     @staticmethod
     def forward(ctx, x, w, ga, gb, ua, ub, da, db, base, scaling, groups, pairs, k, lora_cast):
@@ -188,8 +188,8 @@ class FusedGroupedExperts(torch.autograd.Function):
         spec = base.spec
         inter = base.intermediate
         tok = torch.div(pairs, k, rounding_mode="floor")
-        a_gu, bg, bu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)  # [G, 2r, H], [G, I, r], ..., dt
-        r = ad.shape[1]
+        # [G, 2r, H] ([Ag; Au]), [G, 2I, 2r] (Bg, Bu in the gate / up rows, zeros elsewhere), Ad, Bd; dt
+        a_gu, b_gu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)
         xs = x.to(dt).index_select(0, tok)  # [N, H]
         wgu = base.gate_up if spec.transposed else _t(base.gate_up)  # [G, H, 2I] view
         wd = base.down if spec.transposed else _t(base.down)  # [G, I, H] view
@@ -197,10 +197,10 @@ class FusedGroupedExperts(torch.autograd.Function):
         if base.gate_up_bias is not None:
             gu += base.gate_up_bias.index_select(0, groups.row_expert)
         pa = grouped_mm(xs, _t(a_gu), groups)  # [N, 2r]: [x Ag^T | x Au^T]
-        pg, pu = pa[:, :r].contiguous(), pa[:, r:].contiguous()
+        # both LoRA B products in one: [pg | pu] [G, 2r, 2I] puts pg Bg^T in the gate columns and
+        # pu Bu^T in the up ones (the other blocks are zeros: exact)
+        gu.add_(grouped_mm(pa, _t(b_gu), groups), alpha=scaling)
         gs, us = spec.gate_up_cols(inter)
-        gu[:, gs] += scaling * grouped_mm(pg, _t(bg), groups)
-        gu[:, us] += scaling * grouped_mm(pu, _t(bu), groups)
         g, u = gu[:, gs], gu[:, us]
         h = gated_act(g, u, spec).contiguous()  # [N, I]
         pd = grouped_mm(h, _t(ad), groups)  # [N, r]
@@ -212,7 +212,7 @@ class FusedGroupedExperts(torch.autograd.Function):
         out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
         out.index_add_(0, tok, d.to(acc) * ws[:, None])
         ctx.save_for_backward(
-            xs, gu, pg, pu, h, pd, d, ws, tok, pairs, base.gate_up, base.down, a_gu, bg, bu, ad, bd
+            xs, gu, pa, h, pd, d, ws, tok, pairs, base.gate_up, base.down, a_gu, b_gu, ad, bd
         )
         ctx.meta = (
             base,
@@ -228,7 +228,7 @@ class FusedGroupedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        xs, gu, pg, pu, h, pd, d, ws, tok, pairs, w_gu, w_d, a_gu, bg, bu, ad, bd = ctx.saved_tensors
+        xs, gu, pa, h, pd, d, ws, tok, pairs, w_gu, w_d, a_gu, b_gu, ad, bd = ctx.saved_tensors
         base, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes = ctx.meta
         spec = base.spec
         dt = d.dtype
@@ -253,11 +253,9 @@ class FusedGroupedExperts(torch.autograd.Function):
         dg, du = gated_act_backward(dh, g, u, spec)
         dgu = torch.empty_like(gu)
         dgu[:, gs], dgu[:, us] = dg, du
-        dg, du = dgu[:, gs].contiguous(), dgu[:, us].contiguous()
-        # gate / up LoRA B, then A (stacked [Ag; Au])
-        grad_gb = grouped_mm_k(dg.t(), pg, groups).mul_(s)  # [G, I, r]
-        grad_ub = grouped_mm_k(du.t(), pu, groups).mul_(s)
-        dpa = torch.cat([grouped_mm(dg, bg, groups), grouped_mm(du, bu, groups)], 1).mul_(s)  # [N, 2r]
+        # gate / up LoRA B (the stacked [G, 2I, 2r]: its gate and up blocks), then A ([Ag; Au])
+        grad_bgu = grouped_mm_k(dgu.t(), pa, groups).mul_(s)  # [G, 2I, 2r]
+        dpa = grouped_mm(dgu, b_gu, groups).mul_(s)  # [N, 2r]
         grad_agu = grouped_mm_k(dpa.t(), xs, groups)  # [G, 2r, H]
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -265,6 +263,19 @@ class FusedGroupedExperts(torch.autograd.Function):
             dxs = grouped_mm(dgu, wgu_b, groups) + grouped_mm(dpa, a_gu, groups)
             grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)
             grad_x = grad_x.index_add_(0, tok, dxs.to(grad_out.dtype)).to(x_dtype)
-        lo = (grad_agu[:, :r], grad_gb, grad_agu[:, r:], grad_ub, grad_da, grad_db)
+        lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)
         lora_grads = [g_.to(dtype) for g_, dtype in zip(lo, lora_dtypes)]
         return (grad_x, grad_w, *lora_grads, None, None, None, None, None, None)
+
+
+def stack_lora(ga, gb, ua, ub, da, db, dtype: torch.dtype, spec) -> tuple[torch.Tensor, ...]:
+    """The six LoRA tensors ([G, r, H], [G, I, r], ..., any dtype) as ``FusedGroupedExperts`` reads
+    them, in ``dtype``: ([Ag; Au] [G, 2r, H], B_gu [G, 2I, 2r] with Bg in the gate rows' first r
+    columns, Bu in the up rows' last r columns and zeros elsewhere (rows in the base layout's gate /
+    up order, ``spec.gate_up_cols``), Ad, Bd)."""
+    g, inter, r = gb.shape[0], gb.shape[1], gb.shape[2]
+    gs, us = spec.gate_up_cols(inter)
+    b_gu = torch.zeros(g, 2 * inter, 2 * r, dtype=dtype, device=gb.device)
+    b_gu[:, gs, :r] = gb
+    b_gu[:, us, r:] = ub
+    return torch.cat([ga, ua], 1).to(dtype), b_gu, da.to(dtype), db.to(dtype)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype
-from ..kernels.grouped_device import FusedGroupedExperts, Groups, grouped_expert_forward
+from ..kernels.grouped_device import FusedGroupedExperts, Groups, grouped_expert_forward, stack_lora
 from .function import prefetch_grad_out
 from .inner_graph import inner_grads, take_inner
 from .resident import ResidentExperts
@@ -65,6 +65,7 @@ class DeviceExperts:
         self.streamed = streamed
         self.num_experts = base.num_experts
         self.dtype = base.gate_up.dtype
+        self.spec = base.spec
         self.ids = tuple(res_ids) + tuple(str_ids)  # local index -> expert id
         self.num_resident = len(res_ids)
         self._ids_cpu = torch.tensor(self.ids, dtype=torch.long)
@@ -246,8 +247,8 @@ class DeviceExperts:
         return out
 
     def _lora_cast(self, j0: int):
-        """For a placement starting at local index ``j0``: the six LoRA slices -> ([Ag; Au], Bg, Bu,
-        Ad, Bd) in the weights' dtype, computed once while the parameters are unchanged (their
+        """For a placement starting at local index ``j0``: the six LoRA slices -> ``stack_lora``'s
+        layout in the weights' dtype, computed once while the parameters are unchanged (their
         storages and version counters: the optimizer steps them in place), so the forward, the
         checkpointed recompute and every micro-batch of a step share one cast."""
 
@@ -256,8 +257,7 @@ class DeviceExperts:
             key = tuple((t.data_ptr(), t._version, t.shape[0], t.device) for t in ts)
             hit = self._casts.get(j0)
             if hit is None or hit[0] != key:
-                dt = self.dtype
-                hit = (key, (torch.cat([ga, ua], 1).to(dt), gb.to(dt), ub.to(dt), da.to(dt), db.to(dt)))
+                hit = (key, stack_lora(ga, gb, ua, ub, da, db, self.dtype, self.spec))
                 self._casts[j0] = hit
             return hit[1]
 
