@@ -71,9 +71,13 @@ def limit_allocator(device: torch.device, cap_bytes: int, overhead_bytes: int) -
     memory (``torch.cuda.set_per_process_memory_fraction``): on reaching it the allocator frees
     its cached blocks and retries before it fails, so fragmentation and cached blocks never take
     the process past the cap the driver sees. Returns the allocator's limit in bytes."""
-    _, total = torch.cuda.mem_get_info(device)
+    device = torch.device(device)
+    index = (
+        device.index if device.index is not None else torch.cuda.current_device()
+    )  # "cuda": the current one
+    _, total = torch.cuda.mem_get_info(index)
     limit = max(0, cap_bytes - overhead_bytes)
-    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
     return limit
 
 
