@@ -238,3 +238,58 @@ def test_trial_measures_the_gpu_only_split_and_keeps_the_faster(tmp_path, monkey
     assert split() == (alt if alt_faster else ours) and rp.cpu_last_resort == alt_faster
     assert ("GPU-only" in rp.trial_note.split("kept")[1]) == alt_faster
     assert losses == pytest.approx(ref, rel=1e-5)
+
+
+def test_gpu_cap_holds_the_allocator_to_the_cap_less_the_cuda_runtime(monkeypatch):
+    """``kt_gpu_memory``: PyTorch's allocator is held to the cap less what the driver shows outside
+    it (context) and the room kept for kernels loaded later, as a fraction of the GPU, on the device's
+    index (a bare "cuda" device means the current one); ``PYTORCH_CUDA_ALLOC_CONF`` naming
+    expandable segments is left as the user set it."""
+    from kt_ft.placement import runtime
+
+    gib = 2**30
+    calls = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 38 * gib)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    assert runtime.cuda_overhead_now(torch.device("cuda")) == 2 * gib  # 140 - 100 free - 38 reserved
+    limit = runtime.limit_allocator(torch.device("cuda"), 24 * gib, 2 * gib + runtime.CUDA_GROWTH_BYTES)
+    assert limit == 22 * gib - runtime.CUDA_GROWTH_BYTES
+    assert calls == [(limit / (140 * gib), 3)]
+    runtime.limit_allocator(torch.device("cuda:1"), 200 * gib, 0)
+    assert calls[-1] == (1.0, 1)  # never more than the whole GPU
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert "PYTORCH_CUDA_ALLOC_CONF" in runtime.use_expandable_segments()
+
+
+def test_auto_at_start_under_a_gpu_cap_plans_with_the_measured_runtime(tmp_path, monkeypatch, caplog):
+    """The capped start on a "GPU" (torch.cuda's memory queries faked): the plan's budget for the
+    experts is the cap less the rest of the estimate, whose runtime part is the context the driver
+    shows now + room for later kernels + the allocator's fragmentation slack; the allocator is held
+    to the cap less the first two, and expandable segments are asked for."""
+    from tiny_models import tiny_model
+
+    from kt_ft.models import FAMILIES
+    from kt_ft.placement import runtime
+    from kt_ft.rules.report import CUDA_GROWTH_BYTES
+
+    gib = 2**30
+    rule = tmp_path / "auto.yaml"
+    rule.write_text(AUTO_RULE)
+    model = tiny_model()
+    plan = make_plan(model, load_rules(rule), FAMILIES["qwen3_moe"], "torch", 2)
+    plan.default_device = torch.device("cuda")
+    calls, settings = [], []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (130 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 9 * gib)  # 1 GiB outside it
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    ctx, choice = auto_at_start(model, plan, SIZES, gpu_memory_gib=2.0, rates=FAST_GPU)
+    runtime_bytes = gib + CUDA_GROWTH_BYTES + runtime.ALLOCATOR_SLACK_BYTES
+    assert ctx.cuda_overhead_bytes == runtime_bytes
+    assert calls == [((2 * gib - gib - CUDA_GROWTH_BYTES) / (140 * gib), 0)]
+    assert settings == ["expandable_segments:True"]
+    assert any("the allocator is held to" in r.getMessage() for r in caplog.records)

@@ -66,6 +66,31 @@ def cuda_overhead_now(device: torch.device) -> int:
     return max(0, int(total - free - torch.cuda.memory_reserved(device)))
 
 
+# under kt_gpu_memory, room the plan leaves inside the allocator's limit: with the limit at the
+# plan's total, DeepSeek-V2-Lite runs at 12 and 24 GiB failed their second step with ~0.9 GiB
+# reserved but unallocated (fragments) and an 800 MiB block (the loss's fp32 logits) to place
+ALLOCATOR_SLACK_BYTES = 512 * 2**20
+
+
+def use_expandable_segments() -> str:
+    """Ask PyTorch's CUDA allocator for expandable segments (new blocks map into growable
+    segments instead of fixed ones, so freed memory is not stranded in fragments), unless
+    ``PYTORCH_CUDA_ALLOC_CONF`` already says; returns what holds, for the log."""
+    import os
+
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" in conf:
+        return f"as PYTORCH_CUDA_ALLOC_CONF={conf!r} says"
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        return "not available in this torch"
+    try:
+        setter("expandable_segments:True")
+    except RuntimeError as e:  # e.g. a platform without virtual memory management
+        return f"refused ({str(e).splitlines()[0]})"
+    return "on for new blocks"
+
+
 def limit_allocator(device: torch.device, cap_bytes: int, overhead_bytes: int) -> int:
     """Hold PyTorch's caching allocator on ``device`` to ``cap_bytes - overhead_bytes`` of reserved
     memory (``torch.cuda.set_per_process_memory_fraction``): on reaching it the allocator frees
@@ -131,8 +156,11 @@ def auto_at_start(
     elif cuda:
         cap = default_cap_bytes(device)
     if cuda and expert_budget_bytes is None:
-        # the cap is what the driver reports: the CUDA runtime outside PyTorch's allocator counts
+        # the cap is what the driver reports: the CUDA runtime outside PyTorch's allocator counts;
+        # under a cap the plan also leaves the allocator room for fragmentation
         overhead = cuda_overhead_now(device) + CUDA_GROWTH_BYTES
+        if gpu_memory_gib is not None:
+            overhead += ALLOCATOR_SLACK_BYTES
     choice = plan_auto(
         model,
         plan,
@@ -145,11 +173,14 @@ def auto_at_start(
         cuda_overhead_bytes=overhead,
     )
     if cuda and gpu_memory_gib is not None and overhead is not None:
-        limit = limit_allocator(device, cap, overhead)
+        context = overhead - CUDA_GROWTH_BYTES - ALLOCATOR_SLACK_BYTES
+        limit = limit_allocator(device, cap, context + CUDA_GROWTH_BYTES)
+        expandable = use_expandable_segments()
         logger.info(
-            f"kt_gpu_memory={gpu_memory_gib:g}: {fmt_bytes(overhead - CUDA_GROWTH_BYTES)} of {device} in use outside "
-            f"PyTorch's allocator now (CUDA context) + {fmt_bytes(CUDA_GROWTH_BYTES)} kept for kernels loaded later: "
-            f"the allocator is held to {fmt_bytes(limit)} (torch.cuda.set_per_process_memory_fraction)"
+            f"kt_gpu_memory={gpu_memory_gib:g}: {fmt_bytes(context)} of {device} in use outside PyTorch's allocator "
+            f"now (CUDA context) + {fmt_bytes(CUDA_GROWTH_BYTES)} kept for kernels loaded later: the allocator is held "
+            f"to {fmt_bytes(limit)} (torch.cuda.set_per_process_memory_fraction), of which the plan leaves "
+            f"{fmt_bytes(ALLOCATOR_SLACK_BYTES)} free for fragmentation; expandable segments: {expandable}"
         )
     section = placement_section(
         model, plan, dtype, sizes, rates, choice, describe(rates, shape, sizes.lora_rank)
