@@ -10,7 +10,6 @@ nothing. Set ``KT_FT_DISABLE=1`` to turn the hook off.
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from importlib.abc import Loader, MetaPathFinder
 from importlib.machinery import ModuleSpec
@@ -68,7 +67,9 @@ class PostImportFinder(MetaPathFinder):
 
 
 def install() -> None:
-    if os.environ.get("KT_FT_DISABLE", "").lower() in ("1", "true", "yes"):
+    from .settings import enabled
+
+    if enabled("KT_FT_DISABLE"):
         return
     if any(isinstance(f, PostImportFinder) for f in sys.meta_path):
         return

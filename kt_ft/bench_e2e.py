@@ -44,6 +44,7 @@ from pathlib import Path
 
 import yaml
 
+from . import settings
 from .bench_step import MODEL_CONFIGS
 
 GIB = 2**30
@@ -407,7 +408,7 @@ def run_system(
             rc = rc if rc else -9
     seconds = time.perf_counter() - t0
     rows = read_trainer_log(run_dir / "output" / "trainer_log.jsonl")
-    skip = int(os.environ.get("KT_FT_PROFILE_STEP", "3")) if (env or {}).get("KT_FT_PROFILE") else None
+    skip = int(settings.get("KT_FT_PROFILE_STEP")) if (env or {}).get("KT_FT_PROFILE") else None
     rate, steps, per_step = rate_from_log(rows, skip_step=skip)
     text = log_path.read_text(errors="replace")
     pred = _PREDICTED.findall(text)
@@ -477,7 +478,7 @@ def run_e2e(
             write_assets, (workdir, preset, layers, cutoff_len, examples)
         )
     records = []
-    prof_root = os.environ.get("KT_FT_PROFILE")
+    prof_root = settings.get("KT_FT_PROFILE")
     for system in systems:
         if not cuda and system.kind in ("auto", "stream"):
             print(f"skipping {system.name}: needs a CUDA GPU")

@@ -39,6 +39,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .settings import enabled, get
+
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LORA_RANK, LORA_ALPHA = 8, 16
@@ -283,7 +285,7 @@ def _profile_step(model, ids, opt, path: Path, cuda: bool) -> None:
         _train_step(model, ids, opt, cuda)
     table = prof.key_averages()
     path.parent.mkdir(parents=True, exist_ok=True)
-    if os.environ.get("KT_FT_BENCH_TRACE", "0") == "1":  # the timeline too (chrome://tracing, Perfetto)
+    if enabled("KT_FT_BENCH_TRACE"):  # the timeline too (chrome://tracing, Perfetto)
         prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
     text = table.table(sort_by="self_cpu_time_total", row_limit=40)
     if cuda:
@@ -339,7 +341,7 @@ def worker(args: argparse.Namespace) -> StepRecord:
     runners = [m.runner for m in model.modules() if isinstance(m, KTExperts)]
     replanner, warmup = None, args.warmup
     # KT_FT_BENCH_REPLAN=0: time the planner's first split as it is (no calibration, no trial)
-    replan = os.environ.get("KT_FT_BENCH_REPLAN", "1") != "0"
+    replan = enabled("KT_FT_BENCH_REPLAN")
     if replan and placement is not None and placement.ctx is not None and placement.ctx.rates.has_gpu:
         # as a run does (``placement/runtime.py``): after a few steps the CPU op's rate in the run
         # replaces the measured one when they differ; those steps are warm-up, plus one for a new split
@@ -380,7 +382,7 @@ def worker(args: argparse.Namespace) -> StepRecord:
     if replanner is not None and replanner.trial_note:
         note += f"; trial: {replanner.trial_note}"
     best = min(times[warmup:])
-    prof_dir = os.environ.get("KT_FT_BENCH_PROFILE")
+    prof_dir = get("KT_FT_BENCH_PROFILE")
     if prof_dir:  # one more step under the profiler: where the time goes (not part of the figures)
         stem = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{name}-{args.gpu_cap_gib or 0:g}")
         _profile_step(model, ids, opt, Path(prof_dir) / f"{stem}.txt", cuda)

@@ -367,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .log import get_logger
+    from .settings import log_changed
+
+    log_changed(get_logger("kt_ft.cli"))
     if getattr(args, "command", None) == "bench" and args.threads is None:
         from .hparams import physical_cpu_cores
 

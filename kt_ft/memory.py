@@ -17,6 +17,8 @@ import json
 import os
 from pathlib import Path
 
+from .settings import get
+
 REPORT_ENV = "KT_FT_MEMORY_REPORT"
 _ROLLUP_KEYS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
 
@@ -80,7 +82,7 @@ def memory_report(model) -> Path | None:
     from .checkpoint.fused import kt_expert_modules
     from .distributed import barrier
 
-    directory = os.environ.get(REPORT_ENV)
+    directory = get(REPORT_ENV)
     if not directory:
         return None
     expert_bytes = sum(

@@ -28,13 +28,13 @@ activation) go to ``grouped_variant.py``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..settings import enabled
 from .base import ExpertBackend, ExpertWeights, LoraTensors, accum_dtype
 
 ROW_PAD = 16  # AMX tile height; also bounds the number of distinct GEMM shapes
@@ -195,7 +195,7 @@ def _route(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
 
 
 def _lora_batched() -> bool:
-    return os.environ.get("KT_FT_LORA_BMM", "1") != "0"
+    return enabled("KT_FT_LORA_BMM")
 
 
 def _route_layout(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, by_count: bool = True):

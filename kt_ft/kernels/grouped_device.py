@@ -17,11 +17,10 @@ intermediate, r LoRA rank. The base layout follows ``ExpertWeights.spec`` (``ker
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..log import get_logger
+from ..settings import enabled
 from .activation import gated_act, gated_act_backward
 from .base import ExpertWeights, LoraTensors, accum_dtype
 
@@ -66,7 +65,7 @@ class Groups:
 
 
 def _grouped_enabled() -> bool:
-    return os.environ.get("KT_FT_GROUPED_DEVICE", "1") != "0"
+    return enabled("KT_FT_GROUPED_DEVICE")
 
 
 def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:

@@ -129,6 +129,9 @@ def fill_streamed_experts(model: Any, model_args: Any) -> None:
 
 def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: bool) -> None:
     """Replace routed experts by kt-ft's CPU experts (with expert LoRA) and hook saving."""
+    from ..settings import log_changed
+
+    log_changed(logger)  # environment switches set to other than their default, once a process
     family = family_of(model.config)
     rule_path = _rule_path(model_args, family)
     topo = topology()

@@ -15,7 +15,6 @@ LLaMA-Factory data path); only the real run says where its time goes.
 from __future__ import annotations
 
 import gzip
-import os
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ..log import get_logger
+from ..settings import enabled, get
 
 logger = get_logger(__name__)
 PROFILE_ENV, STEP_ENV, TRACE_ENV = "KT_FT_PROFILE", "KT_FT_PROFILE_STEP", "KT_FT_PROFILE_TRACE"
@@ -81,10 +81,10 @@ class StepProfiler(TrainerCallback):
 
 def profiler_from_env() -> StepProfiler | None:
     """The profiler ``KT_FT_PROFILE`` asks for (logged), or None."""
-    directory = os.environ.get(PROFILE_ENV)
+    directory = get(PROFILE_ENV)
     if not directory:
         return None
-    step = int(os.environ.get(STEP_ENV, "3"))
-    trace = os.environ.get(TRACE_ENV, "0") == "1"
+    step = int(get(STEP_ENV))
+    trace = enabled(TRACE_ENV)
     logger.info(f"{PROFILE_ENV}={directory}: optimizer step {step} profiled ({STEP_ENV}; trace: {trace})")
     return StepProfiler(directory, step, trace)

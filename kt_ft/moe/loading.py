@@ -25,7 +25,6 @@ streaming off, to compare.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from torch import nn
 
 from ..log import get_logger
 from ..rules.plan import PlacementPlan
+from ..settings import enabled
 from .expert_files import ParamSource, find_expert_sources
 from .expert_stream import Allocator, fill_routed_experts
 
@@ -112,7 +112,7 @@ def plan_expert_stream(model_dir, config, expert_names: list[str]) -> ExpertStre
     else None (transformers loads the experts; the reason is logged)."""
     from ..rules.skeleton import meta_model
 
-    if os.environ.get(STREAM_ENV, "1") == "0":
+    if not enabled(STREAM_ENV):
         logger.info(f"{STREAM_ENV}=0: transformers loads the routed experts")
         return None
     path = Path(str(model_dir))

@@ -12,6 +12,7 @@ from ..kernels.base import DEFAULT_SPEC
 from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
 from ..rules.plan import PlacementPlan
+from ..settings import enabled
 from .beside import install_shared_beside
 from .experts import KTExperts
 from .resident import pick_resident_ids, pick_stream_ids
@@ -104,7 +105,7 @@ def replace_routed_experts(
     lora_dev_layers: list[int] = []
     peft_wrapped = False
     # KT_FT_OVERLAP_SHARED=0: the block's own order (shared experts not started beside the CPU op)
-    overlap_shared = os.environ.get("KT_FT_OVERLAP_SHARED", "1") != "0"
+    overlap_shared = enabled("KT_FT_OVERLAP_SHARED")
     overlapped: set[str] = set()
     for place in plan.experts:
         parent_name, _, child = place.name.rpartition(".")

@@ -37,12 +37,12 @@ from torch import nn
 
 from ..errors import KTConfigError
 from ..log import fmt_bytes, get_logger
+from ..settings import enabled, get
 
 logger = get_logger(__name__)
 
 SHARED_DIR_ENV = "KT_FT_SHARED_DIR"
 SHARE_ENV = "KT_FT_SHARE_EXPERTS"  # "0": every rank loads its own private copy (for comparison)
-DEFAULT_SHARED_DIR = "/dev/shm"
 FILE_PREFIX = "kt-ft-experts-"
 ALIGN = 4096
 BASE_NAMES = ("gate_up_proj", "down_proj")
@@ -67,11 +67,11 @@ class Slot:
 
 def sharing_enabled(local_world_size: int) -> bool:
     """Several ranks on this machine, and not turned off with KT_FT_SHARE_EXPERTS=0."""
-    return local_world_size > 1 and os.environ.get(SHARE_ENV, "1") != "0"
+    return local_world_size > 1 and enabled(SHARE_ENV)
 
 
 def shared_dir() -> Path:
-    return Path(os.environ.get(SHARED_DIR_ENV, DEFAULT_SHARED_DIR))
+    return Path(get(SHARED_DIR_ENV))
 
 
 def expert_base_params(model: nn.Module, expert_names: list[str]) -> list[tuple[str, nn.Parameter]]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..errors import KTConfigError
 from ..log import get_logger
+from ..settings import get
 from .cost import LayerShape, Rates
 
 logger = get_logger(__name__)
@@ -92,7 +93,7 @@ def apply_overrides(rates: Rates, overrides: dict[str, float], shape: LayerShape
 
 
 def cache_path() -> Path:
-    root = os.environ.get(CACHE_ENV) or str(Path.home() / ".cache" / "kt-ft")
+    root = get(CACHE_ENV) or str(Path.home() / ".cache" / "kt-ft")
     return Path(root) / "rates.json"
 
 

@@ -30,10 +30,10 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..settings import enabled
 from .cost import (
     STREAM_BUFFERS,
     LayerShape,
@@ -271,7 +271,7 @@ def choose_splits(
     if not allow_stream:
         notes.append("streamed experts are not available in this version: resident or CPU only")
     splits = best[2]
-    if any(s.streamed for s in splits) and os.environ.get("KT_FT_SPREAD_RESIDENT", "1") != "0":
+    if any(s.streamed for s in splits) and enabled("KT_FT_SPREAD_RESIDENT"):
         fixed = lora_fixed if lora_fixed is not None else [None] * len(inputs)
         splits = _spread(splits, list(zip(keys, fixed)), ranked)
     return done(splits)

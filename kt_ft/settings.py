@@ -1,0 +1,84 @@
+"""Every environment switch kt-ft reads, in one registry: its name, default and what it does.
+
+Code reads them through ``get`` / ``enabled`` (a name missing here is a programming error, not a
+silent default); ``log_changed`` says once a process which ones are set to something else than
+their default. Most exist to compare a path with its alternative (``0`` turns a mechanism off);
+none is needed to run. Imports nothing heavy: the start-up hook reads ``KT_FT_DISABLE``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str | None  # None: unset (the feature it names is off)
+    help: str
+
+
+_ALL = (
+    Setting("KT_FT_DISABLE", "0", "1: the start-up hook patches nothing (LLaMA-Factory runs as shipped)"),
+    Setting(
+        "KT_FT_STREAM_EXPERTS",
+        "1",
+        "0: transformers loads the routed experts instead of kt-ft reading the files",
+    ),
+    Setting(
+        "KT_FT_SHARE_EXPERTS", "1", "0: several ranks on a machine each load a private copy of the experts"
+    ),
+    Setting(
+        "KT_FT_SHARED_DIR", "/dev/shm", "directory of the routed-expert file the ranks of a machine share"
+    ),
+    Setting("KT_FT_OVERLAP_SHARED", "1", "0: shared experts are not started beside the CPU expert op"),
+    Setting("KT_FT_GROUPED_DEVICE", "1", "0: GPU experts loop over experts instead of torch._grouped_mm"),
+    Setting("KT_FT_LORA_BMM", "1", "0: the torch CPU backend computes the expert LoRA one expert at a time"),
+    Setting(
+        "KT_FT_SPREAD_RESIDENT", "1", "0: placement: auto keeps resident layers first, not spread in depth"
+    ),
+    Setting("KT_FT_CACHE_DIR", None, "directory of the measured machine rates (default ~/.cache/kt-ft)"),
+    Setting(
+        "KT_FT_MEMORY_REPORT", None, "DIR: each rank writes its memory record there at the end of training"
+    ),
+    Setting("KT_FT_PROFILE", None, "DIR: one optimizer step of a llamafactory-cli run under torch.profiler"),
+    Setting("KT_FT_PROFILE_STEP", "3", "the optimizer step KT_FT_PROFILE records (1-based)"),
+    Setting("KT_FT_PROFILE_TRACE", "0", "1: KT_FT_PROFILE also writes a gzipped Chrome trace"),
+    Setting("KT_FT_BENCH_PROFILE", None, "DIR: the in-process step bench profiles one step there"),
+    Setting("KT_FT_BENCH_TRACE", "0", "1: KT_FT_BENCH_PROFILE also writes the timeline"),
+    Setting(
+        "KT_FT_BENCH_REPLAN", "1", "0: the step bench times auto's first split (no calibration, no trial)"
+    ),
+)
+SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
+_FALSE = ("0", "false", "no", "off", "")
+_logged = False
+
+
+def get(name: str) -> str | None:
+    """The value of setting ``name`` in this process (its default when unset)."""
+    return os.environ.get(name, SETTINGS[name].default)
+
+
+def enabled(name: str) -> bool:
+    """A yes/no setting: anything but 0 / false / no / off (any case) or empty is yes."""
+    value = get(name)
+    return value is not None and value.strip().lower() not in _FALSE
+
+
+def changed() -> dict[str, str]:
+    """The registered settings set in the environment to something else than their default."""
+    return {
+        s.name: os.environ[s.name] for s in _ALL if s.name in os.environ and os.environ[s.name] != s.default
+    }
+
+
+def log_changed(logger) -> None:
+    """Once a process: one line per setting that differs from its default, with what it does."""
+    global _logged
+    if _logged:
+        return
+    _logged = True
+    for name, value in changed().items():
+        logger.info(f"setting {name}={value} (default {SETTINGS[name].default}): {SETTINGS[name].help}")

@@ -1,0 +1,52 @@
+"""The registry of environment switches (kt_ft/settings.py): every KT_FT_* name the code reads is
+registered, values parse as documented, and the ones set to other than their default are logged."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from kt_ft import settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_switch_the_code_names_is_registered():
+    named = set()
+    for path in (ROOT / "kt_ft").rglob("*.py"):
+        named |= set(re.findall(r"\bKT_FT_[A-Z_]+[A-Z]\b", path.read_text()))
+    assert named, "no KT_FT_ names found: the scan is broken"
+    assert named <= set(settings.SETTINGS), sorted(named - set(settings.SETTINGS))
+    reads = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in (ROOT / "kt_ft").rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "os.environ" in line and "KT_FT_" in line and p.name != "settings.py"
+    ]
+    assert not reads, f"read through kt_ft.settings instead: {reads}"
+
+
+def test_values_defaults_and_the_log(monkeypatch, caplog):
+    for name in settings.SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    assert settings.enabled("KT_FT_GROUPED_DEVICE") and not settings.enabled("KT_FT_DISABLE")
+    assert settings.get("KT_FT_PROFILE") is None and settings.get("KT_FT_PROFILE_STEP") == "3"
+    for off in ("0", "false", "No", " off "):
+        monkeypatch.setenv("KT_FT_GROUPED_DEVICE", off)
+        assert not settings.enabled("KT_FT_GROUPED_DEVICE"), off
+    monkeypatch.setenv("KT_FT_SPREAD_RESIDENT", "1")  # the default: not a change
+    assert settings.changed() == {"KT_FT_GROUPED_DEVICE": " off "}
+    with pytest.raises(KeyError):
+        settings.get("KT_FT_NO_SUCH_SWITCH")
+    monkeypatch.setattr(settings, "_logged", False)
+    log = logging.getLogger("kt_ft.test_settings")
+    with caplog.at_level(logging.INFO, logger=log.name):
+        settings.log_changed(log)
+        settings.log_changed(log)  # once a process
+    lines = [r.getMessage() for r in caplog.records if "KT_FT_GROUPED_DEVICE" in r.getMessage()]
+    assert lines == [
+        "setting KT_FT_GROUPED_DEVICE= off  (default 1): " + settings.SETTINGS["KT_FT_GROUPED_DEVICE"].help
+    ]
