@@ -5,3 +5,15 @@ stay free of heavy imports: no torch, no transformers here.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["KTConfig", "KTRun", "apply"]
+
+
+def __getattr__(name: str):
+    """``kt_ft.apply`` / ``KTConfig`` / ``KTRun`` (``kt_ft/core.py``), imported on first use only:
+    the start-up hook imports this package in every Python process."""
+    if name in __all__:
+        from . import core
+
+        return getattr(core, name)
+    raise AttributeError(f"module 'kt_ft' has no attribute {name!r}")

@@ -166,11 +166,10 @@ def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int, place
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig
 
-    from .lora import lora_scaling
+    from .core import KTConfig, apply, plan_for
     from .models import family_of
     from .moe.loading import load_planned, planned_device_map
-    from .moe.patch import replace_routed_experts
-    from .rules import load_rules, make_plan, resolve_rule_path
+    from .rules import load_rules, resolve_rule_path
 
     config = AutoConfig.from_pretrained(model_dir)
     family = family_of(config)
@@ -180,13 +179,23 @@ def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int, place
     device_map, load_plan = planned_device_map(config, rules, family, backend, threads, str(device))
     model = load_planned(model_dir, device_map, load_plan, dtype=torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=ATTN))
-    plan = make_plan(model, rules, family, backend, threads)
+    # the product's path (kt_ft.apply), with the bench's own split for a placement: the planner
+    # budget of the full model scaled to the benchmarked layers (bench_placement.Placement)
+    config = KTConfig(
+        rule=rule_path,
+        rank=LORA_RANK,
+        alpha=LORA_ALPHA,
+        backend=backend,
+        threads=threads,
+        chunk_size=seq,
+        seed=0,
+    )
+    plan, _ = plan_for(model, config)
     note = ""
     if placement is not None:
         note = placement.apply(model, plan, seq) + "; "
-    summary = replace_routed_experts(
-        model, plan, LORA_RANK, lora_scaling(rank=LORA_RANK, alpha=LORA_ALPHA), seq, seed=0
-    )
+    auto = placement.ctx if placement is not None else None
+    summary = apply(model, config, plan=plan, planned_auto=auto, trainable=False).summary
     model.to(device)  # what the HF Trainer does; KTExperts stay on the CPU
     return model, f"{note}backend {summary.backend}, {summary.threads} threads"
 

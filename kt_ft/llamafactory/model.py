@@ -19,14 +19,13 @@ from ..checkpoint import (
     verify_adapter_dir,
 )
 from ..checkpoint.manifest import CHECKPOINT_DIR
+from ..core import KTConfig, apply, plan_for, resolve_rule
 from ..distributed import setup_data_parallel, threads_per_rank, topology
 from ..errors import KTConfigError
 from ..log import fmt_bytes, get_logger
-from ..lora import lora_scaling
 from ..models import family_of
-from ..moe.patch import replace_routed_experts
 from ..moe.shared_weights import meta_device_map, share_expert_weights, sharing_enabled
-from ..rules import load_rules, make_plan, resolve_rule_path
+from ..rules import load_rules
 
 logger = get_logger(__name__)
 
@@ -45,14 +44,6 @@ def _rss_bytes() -> float:
     return float("nan")
 
 
-def _rule_path(model_args: Any, family) -> Path:
-    rule_name = model_args.kt_optimize_rule or family.builtin_rule
-    rule_path = resolve_rule_path(rule_name)
-    if rule_path is None:
-        raise KTConfigError(f"kt_optimize_rule={rule_name!r}: no such file or built-in rule")
-    return rule_path
-
-
 def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
     """Before any weight is read: plan on a meta skeleton (rule errors stop here), and with CUDA
     load the routed experts straight into CPU RAM and the rest straight to the training GPU."""
@@ -62,7 +53,7 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
     current = init_kwargs.get("device_map")
     single = isinstance(current, dict) and list(current) == [""]
     training_device = current[""] if single else "cpu"
-    rules = load_rules(_rule_path(model_args, family))
+    rules = load_rules(resolve_rule(model_args.kt_optimize_rule, family))
     device_map, plan = planned_device_map(
         config, rules, family, model_args.kt_backend, threads_per_rank(model_args.cpu_infer), training_device
     )
@@ -132,8 +123,6 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     from ..settings import log_changed
 
     log_changed(logger)  # environment switches set to other than their default, once a process
-    family = family_of(model.config)
-    rule_path = _rule_path(model_args, family)
     topo = topology()
     share = topo.local_world_size > 1 and topo.distributed and sharing_enabled(topo.local_world_size)
     if not share:  # experts still on meta (normally filled before LLaMA-Factory's patch_model)
@@ -141,19 +130,6 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
         if stream is not None:
             stream.fill(model)
     threads = threads_per_rank(model_args.cpu_infer, topo)
-    plan = make_plan(model, load_rules(rule_path), family, model_args.kt_backend, threads)
-    for note in plan.notes:
-        logger.info(note)
-    if topo.local_world_size > 1:
-        logger.info(
-            f"cpu_infer={model_args.cpu_infer} shared by {topo.local_world_size} ranks on this machine: "
-            f"{threads} expert threads per rank"
-        )
-        if share:
-            stream = take_expert_stream(model_args)
-            fill = _fill_under_peft(model, stream) if stream is not None else None
-            share_expert_weights(model, [e.name for e in plan.experts], topo.local_rank, fill=fill)
-
     adapters = model_args.adapter_name_or_path or []
     if len(adapters) > 1:
         raise KTConfigError(
@@ -168,18 +144,40 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
         # Inference: the adapter, not the chat/export recipe, says what rank the expert LoRA has.
         lora = read_manifest(src)["lora"]
         rank, alpha, use_rslora = lora["rank"], lora["alpha"], lora["use_rslora"]
-    auto = _auto_placement(model, plan, model_args, rank)
-    summary = replace_routed_experts(
-        model, plan, rank, lora_scaling(rank, alpha, use_rslora), model_args.chunk_size
+    # cutoff_len x per_device_train_batch_size, noted by KTArguments.apply_kt_config
+    cutoff, batch = getattr(model_args, "_kt_ft_micro_batch", None) or (
+        model_args.model_max_length or 2048,
+        1,
     )
-    if auto is not None and is_trainable:
-        # kt_replan_steps 0: no re-planning from routing counts, only the one check of the CPU
-        # op's rate after a few steps (``Replanner.calibrate``)
-        from ..placement.runtime import Replanner
-
-        model._kt_ft_replanner = Replanner(
-            auto, getattr(model_args, "kt_replan_steps", 0), getattr(model_args, "kt_replan_threshold", 0.1)
+    config = KTConfig(
+        rule=model_args.kt_optimize_rule,
+        rank=rank,
+        alpha=alpha,
+        use_rslora=use_rslora,
+        backend=model_args.kt_backend,
+        threads=threads,
+        chunk_size=model_args.chunk_size,
+        gpu_memory_gib=getattr(model_args, "kt_gpu_memory", None),
+        cutoff_len=cutoff,
+        batch=batch,
+        replan_steps=getattr(model_args, "kt_replan_steps", 0),
+        replan_threshold=getattr(model_args, "kt_replan_threshold", 0.1),
+        remeasure=bool(getattr(model_args, "kt_remeasure", False)),
+    )
+    plan, rule_path = plan_for(model, config)
+    if topo.local_world_size > 1:
+        logger.info(
+            f"cpu_infer={model_args.cpu_infer} shared by {topo.local_world_size} ranks on this machine: "
+            f"{threads} expert threads per rank"
         )
+        if share:
+            stream = take_expert_stream(model_args)
+            fill = _fill_under_peft(model, stream) if stream is not None else None
+            share_expert_weights(model, [e.name for e in plan.experts], topo.local_rank, fill=fill)
+    run = apply(model, config, plan=plan, trainable=is_trainable)
+    summary = run.summary
+    if run.replanner is not None:
+        model._kt_ft_replanner = run.replanner  # the trainer callback steps it
     info = KTAdapterInfo(
         base_model=str(model_args.model_name_or_path),
         base_config_sha256=base_config_sha256(model_args.model_name_or_path),
@@ -221,31 +219,6 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     )
     if torch.cuda.is_available():
         logger.info(f"GPU memory allocated now: {fmt_bytes(torch.cuda.memory_allocated())}")
-
-
-def _auto_placement(model: Any, plan: Any, model_args: Any, rank: int):
-    """``placement: auto`` layers of the plan get their split now (kt_ft/placement/runtime.py);
-    returns the context a re-planner needs, or None when the rule has no auto layer."""
-    from ..placement.auto import auto_layers
-
-    if not auto_layers(plan):
-        return None
-    from ..placement.runtime import auto_at_start
-    from ..rules.report import TrainSizes
-
-    # cutoff_len x per_device_train_batch_size, noted by KTArguments.apply_kt_config
-    cutoff, batch = getattr(model_args, "_kt_ft_micro_batch", None) or (
-        model_args.model_max_length or 2048,
-        1,
-    )
-    started = auto_at_start(
-        model,
-        plan,
-        TrainSizes(cutoff, batch, rank),
-        gpu_memory_gib=getattr(model_args, "kt_gpu_memory", None),
-        remeasure=bool(getattr(model_args, "kt_remeasure", False)),
-    )
-    return None if started is None else started[0]
 
 
 def _fill_under_peft(model: Any, stream: Any):

@@ -1,0 +1,166 @@
+"""kt-ft's one entry point, free of any training framework: ``apply(model, KTConfig) -> KTRun``.
+
+The flow: rule (a file or a built-in name; default: the model family's) -> placement plan (which
+module goes where) -> ``placement: auto`` layers get their split under the GPU memory cap -> the
+routed experts are replaced by ``KTExperts`` with their expert LoRA -> a re-planner for the auto
+layers. The LLaMA-Factory integration (``kt_ft/llamafactory``), ``kt-ft bench`` and a plain
+transformers / PEFT script all call this; what they add is their own glue (arguments, adapter
+files, checkpoint hooks, data parallelism).
+
+A plain training loop, or the HF Trainer, with kt-ft::
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(...))
+    run = kt_ft.apply(model, kt_ft.KTConfig(rank=8, alpha=16, cutoff_len=2048))
+    ...  # train; after each optimizer step: run.step(global_step)
+
+The expert LoRA parameters are ordinary ``nn.Parameter``s of the model (``run.expert_lora()``),
+so any optimizer that takes ``model.parameters()`` trains them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import KTConfigError
+from .log import get_logger
+from .lora import lora_scaling
+from .models import family_of
+from .moe.patch import KTSummary, replace_routed_experts
+from .rules import PlacementPlan, load_rules, make_plan, resolve_rule_path
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class KTConfig:
+    """What ``apply`` needs; the LLaMA-Factory keys of the same meaning in brackets.
+
+    rule: optimize-rule file or built-in name [kt_optimize_rule]; None: the family's built-in.
+    rank, alpha, use_rslora: the expert LoRA [lora_rank, lora_alpha, use_rslora].
+    backend: CPU expert kernel [kt_backend]; threads: its CPU threads in this process [cpu_infer].
+    chunk_size: max tokens per CPU expert call [chunk_size].
+    gpu_memory_gib: ``placement: auto``'s cap on the training GPU [kt_gpu_memory]; None: its free memory.
+    cutoff_len, batch: tokens per micro-batch, for ``placement: auto`` [cutoff_len,
+    per_device_train_batch_size]. replan_steps, replan_threshold, remeasure: [kt_replan_*, kt_remeasure].
+    seed: expert-LoRA init (None: torch's global generator)."""
+
+    rule: str | Path | None = None
+    rank: int = 8
+    alpha: float = 16
+    use_rslora: bool = False
+    backend: str = "auto"
+    threads: int | None = None
+    chunk_size: int = 8192
+    gpu_memory_gib: float | None = None
+    cutoff_len: int = 2048
+    batch: int = 1
+    replan_steps: int = 0
+    replan_threshold: float = 0.1
+    remeasure: bool = False
+    seed: int | None = None
+
+    @property
+    def scaling(self) -> float:
+        return lora_scaling(self.rank, self.alpha, self.use_rslora)
+
+
+@dataclass
+class KTRun:
+    """What ``apply`` did to a model: its plan, the experts summary, the rule, and for
+    ``placement: auto`` the context (``auto``) and the re-planner that keeps the split up to date."""
+
+    model: torch.nn.Module
+    plan: PlacementPlan
+    summary: KTSummary
+    rule_path: Path
+    auto: Any = None  # placement.runtime.AutoContext, or None without auto layers
+    replanner: Any = None  # placement.runtime.Replanner, or None
+
+    def step(self, global_step: int) -> bool:
+        """Call after each optimizer step: ``placement: auto`` calibrates and re-plans here;
+        returns True when the split changed."""
+        return self.replanner.step(global_step) if self.replanner is not None else False
+
+    def expert_lora(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of every expert-LoRA tensor the run added."""
+        for name, m in self.model.named_modules():
+            if hasattr(m, "runner") and hasattr(m, "lora_tensors"):
+                from .kernels import LORA_NAMES
+
+                for n in LORA_NAMES:
+                    yield f"{name}.{n}", getattr(m, n)
+
+
+def resolve_rule(rule: str | Path | None, family) -> Path:
+    """The rule file ``rule`` names (a path or a built-in), default ``family``'s built-in."""
+    name = str(rule) if rule else family.builtin_rule
+    path = resolve_rule_path(name)
+    if path is None:
+        raise KTConfigError(f"kt_optimize_rule={name!r}: no such file or built-in rule")
+    return path
+
+
+def plan_for(model: torch.nn.Module, config: KTConfig) -> tuple[PlacementPlan, Path]:
+    """The placement plan of ``model`` under ``config``'s rule (its notes logged); nothing changes yet."""
+    family = family_of(model.config)
+    path = resolve_rule(config.rule, family)
+    plan = make_plan(model, load_rules(path), family, config.backend, config.threads)
+    for note in plan.notes:
+        logger.info(note)
+    return plan, path
+
+
+def apply(
+    model: torch.nn.Module,
+    config: KTConfig,
+    *,
+    plan: PlacementPlan | None = None,
+    planned_auto: Any = None,
+    trainable: bool = True,
+) -> KTRun:
+    """Plan, place and replace the routed experts of ``model`` (a transformers model, PEFT-wrapped
+    or not) following ``config``; ``plan``: one made earlier by ``plan_for`` (the caller needed it
+    first, e.g. to share expert weights between processes); ``planned_auto``: the context of a
+    ``placement: auto`` split the caller already wrote into ``plan`` (the bench plans for a model
+    deeper than the one it runs). ``trainable`` False: no re-planner."""
+    if plan is None:
+        plan, rule_path = plan_for(model, config)
+    else:
+        rule_path = resolve_rule(config.rule, family_of(model.config))
+    auto = planned_auto if planned_auto is not None else _auto_placement(model, plan, config)
+    summary = replace_routed_experts(
+        model, plan, config.rank, config.scaling, config.chunk_size, seed=config.seed
+    )
+    replanner = None
+    if auto is not None and trainable:
+        from .placement.runtime import Replanner
+
+        # replan_steps 0: no re-planning from routing counts, only the one check of the CPU op's
+        # rate after a few steps (``Replanner.calibrate``)
+        replanner = Replanner(auto, config.replan_steps, config.replan_threshold)
+    return KTRun(model, plan, summary, rule_path, auto, replanner)
+
+
+def _auto_placement(model: torch.nn.Module, plan: PlacementPlan, config: KTConfig):
+    """``placement: auto`` layers of the plan get their split now (``placement/runtime.py``);
+    returns the context a re-planner needs, or None when the rule has no auto layer."""
+    from .placement.auto import auto_layers
+
+    if not auto_layers(plan):
+        return None
+    from .placement.runtime import auto_at_start
+    from .rules.report import TrainSizes
+
+    started = auto_at_start(
+        model,
+        plan,
+        TrainSizes(config.cutoff_len, config.batch, config.rank),
+        gpu_memory_gib=config.gpu_memory_gib,
+        remeasure=config.remeasure,
+    )
+    return None if started is None else started[0]

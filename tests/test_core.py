@@ -1,0 +1,61 @@
+"""``kt_ft.apply`` (kt_ft/core.py) on a plain transformers + PEFT model, no LLaMA-Factory: the run
+trains like transformers + PEFT with the same expert LoRA computed by a plain loop (test_parity.py's
+reference and tolerances: fp32 losses rel 1e-5, expert LoRA 1e-4 abs), and its KTRun says what it did."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from test_parity import ATTN, PlainLoRAExperts, expert_lora, train
+from tiny_models import tiny_model
+
+import kt_ft
+from kt_ft.errors import KTConfigError
+from kt_ft.kernels import LORA_NAMES
+from kt_ft.models import unwrap_peft
+
+
+def test_apply_on_a_plain_peft_model_trains_like_the_reference():
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    batches = [torch.randint(1, 97, (2, 12)) for _ in range(3)]
+    model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules=ATTN, lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    ref = copy.deepcopy(model)
+    config = kt_ft.KTConfig(rule="qwen3_moe-torch", rank=4, alpha=8, threads=1, chunk_size=4096, seed=1)
+    run = kt_ft.apply(model, config)
+    assert run.rule_path.name == "qwen3_moe-torch.yaml" and run.replanner is None and run.auto is None
+    assert run.summary.backend == "torch" and run.summary.layers == [0, 1]
+    lora = dict(run.expert_lora())
+    assert len(lora) == 6 * 2 and all(p.requires_grad for p in lora.values())
+    with torch.no_grad():  # non-zero B: the expert-LoRA path counts from the first step
+        for n, p in lora.items():
+            if n.endswith("_b"):
+                p.normal_(0, 0.05)
+    for name, m in model.named_modules():
+        if hasattr(m, "runner"):
+            parent_name, _, child = name.rpartition(".")
+            parent = ref.get_submodule(parent_name)
+            hf = unwrap_peft(getattr(parent, child))
+            copies = {n: getattr(m, n).detach() for n in LORA_NAMES}
+            setattr(parent, child, PlainLoRAExperts(hf, copies, config.scaling, m.spec))
+    got, want = train(model, batches, 4, gc=True), train(ref, batches, 4, gc=True)
+    assert run.step(1) is False  # no placement: auto layer: nothing to re-plan
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    a, b = expert_lora(model), expert_lora(ref)
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
+
+
+def test_apply_names_a_missing_rule():
+    model = tiny_model()
+    with pytest.raises(KTConfigError, match="kt_optimize_rule='no_such_rule': no such file or built-in rule"):
+        kt_ft.apply(model, kt_ft.KTConfig(rule="no_such_rule"))
