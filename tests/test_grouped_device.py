@@ -156,19 +156,53 @@ def test_fused_device_share_matches_its_autograd_twin(device, dtype, variant, pl
         out.backward(grad)
         return [out.detach(), xx.grad, ww.grad, *(t.grad for t in lo)], lo
 
-    got, lo_got = run(dev._compute)
+    got, lo_got = run(lambda *a: dev._compute(*a, key=("test", 0)))
     ref, _ = run(dev.compute_reference)
     for name, a, b in zip(["out", "x", "weights", *LoraTensors._fields], got, ref):
         scale = b.abs().max().float().clamp_min(1e-30)
         err = ((a.float() - b.float()).abs().max() / scale).item()
         assert err <= TOL[dtype], f"{name}: {err:.2e} of its largest entry > {TOL[dtype]:.0e} (seed {seed})"
-    cast = dev._lora_cast(0)
-    first = cast(*lo_got)
-    assert all(a is b for a, b in zip(cast(*lo_got), first))  # unchanged parameters: the same cast
+
+    def key():  # what DeviceExperts.start computes from the parameters
+        return tuple((id(p), p._version) for p in lo_got)
+
+    first = dev._lora_cast(0, key())(*lo_got)
+    assert all(a is b for a, b in zip(dev._lora_cast(0, key())(*lo_got), first))  # unchanged: the same cast
     with torch.no_grad():
         lo_got.gate_b.add_(1.0)  # an optimizer step updates in place: the cast is redone
-    again = cast(*lo_got)
+    again = dev._lora_cast(0, key())(*lo_got)
     gate_rows = base.spec.gate_up_cols(I)[0]
     assert again[1] is not first[1] and torch.equal(
         again[1][:, gate_rows, :r], lo_got.gate_b.to(base.gate_up.dtype)
     )
+
+
+def test_a_lora_update_between_calls_reaches_the_next_forward():
+    """The cast cache follows the parameters: after an in-place update (an optimizer step) the
+    next ``start`` of a layer with some experts resident (LoRA rows taken afresh each call) computes
+    with the new values, as the autograd twin does (fp32: 1e-5 of the largest entry)."""
+    from kt_ft.moe.device_experts import DeviceExperts
+    from kt_ft.moe.resident import ResidentExperts
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    T, E, k, H, I, r = 9, 6, 2, 32, 16, 4
+    base, lora, x, _, _, _ = make_problem(T, E, k, H, I, r, torch.float32, gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    params = LoraTensors(*(t.clone().requires_grad_() for t in lora))
+    dev = DeviceExperts(base, ResidentExperts(base, (0, 2, 3)), None)
+    cpu = torch.device("cpu")
+    dev.begin(cpu)
+    local = dev.split(ids, weights)[0]
+    for _ in range(3):
+        got = dev.start(x, local, weights, params, 2.0, lora_on_device=True)()
+        order, parts = dev._route(local)
+        rows = LoraTensors(*(p.index_select(0, dev._ids_cpu) for p in params))
+        want = dev.compute_reference(x, weights, rows, 2.0, order, parts, k)
+        scale = want.abs().max()
+        assert ((got - want).abs().max() / scale).item() <= 1e-5, f"seed {seed}"
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)

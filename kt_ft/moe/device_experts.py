@@ -78,9 +78,8 @@ class DeviceExperts:
         self._lora_key: tuple | None = None
         self._lora_dev: list[torch.Tensor] | None = None
         self.lora_copies = 0  # host -> device copies of the LoRA rows (a test counts them)
-        self._casts: dict[
-            int, tuple
-        ] = {}  # first local index of a placement -> (key, LoRA in the weights' dtype)
+        # first local index of a placement -> (key, its LoRA in the weights' dtype): ``_lora_cast``
+        self._casts: dict[int, tuple] = {}
         self.cpu_follows = len(self.ids) < self.num_experts  # False: the CPU op is skipped entirely
         # device -> the CPU op's expert ids there (``cpu_ids``)
         self._cpu_ids = {torch.device("cpu"): (self._local_cpu < 0).nonzero().flatten()}
@@ -165,15 +164,19 @@ class DeviceExperts:
             lo = _LoraToDevice.apply(self, x.device, *lora)
         inputs = (x, weights, *lo)
         k = local.shape[1]
+        # the LoRA's identity for the cast cache (``_lora_cast``): the parameters and their version
+        # counters, which the optimizer's in-place steps advance (not the rows taken above: fresh
+        # tensors each call, whose addresses and versions can repeat with other values)
+        key = tuple((id(p), p._version) for p in lora)
         if not self.cpu_follows and self.streamed is None:
             # every expert of the layer resident: no CPU op to order the work around, so the share
             # goes on the model's graph as it is (a graph of its own and the nested backward that
             # differentiates it cost ~1.4 ms of host time a layer and pass in a profiled run)
-            out = self._compute(x, weights, LoraTensors(*lo), scaling, order, parts, k)
+            out = self._compute(x, weights, LoraTensors(*lo), scaling, order, parts, k, key)
             self._done()
             return lambda: out
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
-            out = self._compute(x, weights, LoraTensors(*lo), scaling, order, parts, k)
+            out = self._compute(x, weights, LoraTensors(*lo), scaling, order, parts, k, key)
             self._done()
             return lambda: out
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
@@ -181,7 +184,7 @@ class DeviceExperts:
         # backward takes them from the device buffer again (``streamed.py``: reused or re-copied)
         hooks = self.streamed.saved_tensor_hooks() if self.streamed is not None else contextlib.nullcontext()
         with torch.enable_grad(), hooks:
-            out = self._compute(leaves[0], leaves[1], LoraTensors(*leaves[2:]), scaling, order, parts, k)
+            out = self._compute(leaves[0], leaves[1], LoraTensors(*leaves[2:]), scaling, order, parts, k, key)
         self._done()
         return lambda: _DeviceShare.apply((out, leaves, self), *inputs)
 
@@ -230,31 +233,32 @@ class DeviceExperts:
             off += rows
         return order, parts
 
-    def _compute(self, x, weights, lo: LoraTensors, scaling: float, order, parts: list[_Part], k: int):
+    def _compute(
+        self, x, weights, lo: LoraTensors, scaling: float, order, parts: list[_Part], k: int, key: tuple
+    ):
         """The formula of the module doc for every device expert with pairs -> [T, H] accum dtype:
         one grouped product per projection for the resident experts and one for the streamed ones,
         each placement's share one autograd node (``kernels/grouped_device.py``
-        ``FusedGroupedExperts``; ``compute_reference`` is its twin under plain autograd)."""
+        ``FusedGroupedExperts``; ``compute_reference`` is its twin under plain autograd). ``key``
+        names the LoRA's current values (``start``) for the cast cache."""
         out = None
         for part in parts:
             src = part.weights()  # streamed: the current stream waits (on the device) for their copy here
             pairs = order[part.offset : part.offset + part.rows]
             rows = LoraTensors(*(t[part.j0 : part.j1] for t in lo))
             share = FusedGroupedExperts.apply(
-                x, weights, *rows, src, scaling, part.groups, pairs, k, self._lora_cast(part.j0)
+                x, weights, *rows, src, scaling, part.groups, pairs, k, self._lora_cast(part.j0, key)
             )
             out = share if out is None else out + share
         return out
 
-    def _lora_cast(self, j0: int):
+    def _lora_cast(self, j0: int, key: tuple):
         """For a placement starting at local index ``j0``: the six LoRA slices -> ``stack_lora``'s
-        layout in the weights' dtype, computed once while the parameters are unchanged (their
-        storages and version counters: the optimizer steps them in place), so the forward, the
-        checkpointed recompute and every micro-batch of a step share one cast."""
+        layout in the weights' dtype, computed once while ``key`` (the parameters and their version
+        counters) is unchanged, so the forward, the checkpointed recompute and every micro-batch of
+        a step share one cast."""
 
         def cast(ga, gb, ua, ub, da, db):
-            ts = (ga, gb, ua, ub, da, db)
-            key = tuple((t.data_ptr(), t._version, t.shape[0], t.device) for t in ts)
             hit = self._casts.get(j0)
             if hit is None or hit[0] != key:
                 hit = (key, stack_lora(ga, gb, ua, ub, da, db, self.dtype, self.spec))
