@@ -97,9 +97,8 @@ def limit_allocator(device: torch.device, cap_bytes: int, overhead_bytes: int) -
     its cached blocks and retries before it fails, so fragmentation and cached blocks never take
     the process past the cap the driver sees. Returns the allocator's limit in bytes."""
     device = torch.device(device)
-    index = (
-        device.index if device.index is not None else torch.cuda.current_device()
-    )  # "cuda": the current one
+    # a bare "cuda" is the current device; the fraction wants an index
+    index = device.index if device.index is not None else torch.cuda.current_device()
     _, total = torch.cuda.mem_get_info(index)
     limit = max(0, cap_bytes - overhead_bytes)
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), index)
@@ -150,7 +149,7 @@ def auto_at_start(
         rates = machine_rates(
             shape, backend, first.threads or 1, tokens, sizes.lora_rank, remeasure, cuda=cuda
         )
-    cap = overhead = None
+    cap = context = overhead = None
     if gpu_memory_gib is not None:
         cap = int(gpu_memory_gib * GIB)
     elif cuda:
@@ -158,9 +157,9 @@ def auto_at_start(
     if cuda and expert_budget_bytes is None:
         # the cap is what the driver reports: the CUDA runtime outside PyTorch's allocator counts;
         # under a cap the plan also leaves the allocator room for fragmentation
-        overhead = cuda_overhead_now(device) + CUDA_GROWTH_BYTES
-        if gpu_memory_gib is not None:
-            overhead += ALLOCATOR_SLACK_BYTES
+        context = cuda_overhead_now(device)
+        slack = ALLOCATOR_SLACK_BYTES if gpu_memory_gib is not None else 0
+        overhead = context + CUDA_GROWTH_BYTES + slack
     choice = plan_auto(
         model,
         plan,
@@ -172,8 +171,7 @@ def auto_at_start(
         layer_scale=layer_scale,
         cuda_overhead_bytes=overhead,
     )
-    if cuda and gpu_memory_gib is not None and overhead is not None:
-        context = overhead - CUDA_GROWTH_BYTES - ALLOCATOR_SLACK_BYTES
+    if context is not None and gpu_memory_gib is not None:
         limit = limit_allocator(device, cap, context + CUDA_GROWTH_BYTES)
         expandable = use_expandable_segments()
         logger.info(
