@@ -293,3 +293,47 @@ def test_auto_at_start_under_a_gpu_cap_plans_with_the_measured_runtime(tmp_path,
     assert calls == [((2 * gib - gib - CUDA_GROWTH_BYTES) / (140 * gib), 0)]
     assert settings == ["expandable_segments:True"]
     assert any("the allocator is held to" in r.getMessage() for r in caplog.records)
+
+
+def test_a_calibrated_cpu_rate_is_kept_for_the_next_run(tmp_path, monkeypatch):
+    """When the start's rates came from this machine's cache (not given), the CPU rate a run
+    calibrates goes back into that cache slot, and the next ``machine_rates`` call returns it,
+    labelled as from a training run; given rates (tests, ``--rates``) are never written back."""
+    from kt_ft.placement import measure
+    from kt_ft.placement.cost import LayerShape
+    from kt_ft.placement.runtime import CALIBRATE_AFTER
+
+    monkeypatch.setenv("KT_FT_CACHE_DIR", str(tmp_path / "cache"))
+    shape = LayerShape(8, 64, 32, 2, 4, 4)
+    slot = measure.cpu_rate_key(shape, "torch", 2, 24)
+    measure._save_cache(
+        {measure.machine_key(False): {"cpu_flops": {slot: 5e9}}}
+    )  # as a measurement caches it
+    before = measure.machine_rates(shape, "torch", 2, 24, RANK, cuda=False)
+    assert before.cpu_flops == 5e9 and before.source["cpu_flops"].startswith("cached (")
+
+    model, ctx, _ = auto_model(tmp_path, 3)
+    rp = Replanner(ctx, every=0, threshold=0.1)
+    rp.replan = lambda *a, **k: True
+    runners = [m.runner for m in kt_layers(model)]
+    pair = LayerShape(8, 64, 32, 1).pair_flops(RANK)
+
+    def run(pairs, seconds):
+        for r in runners:
+            r.pairs_done += pairs
+            r.busy_s += seconds
+
+    def calibrate():
+        run(100, 5.0)
+        rp.step(1)
+        run(1000, 4 * 1000 * pair / ctx.rates.cpu_flops)  # a quarter of the planned rate
+        assert rp.step(CALIBRATE_AFTER)
+
+    calibrate()  # given rates (auto_model injects them): nothing written
+    assert measure.machine_rates(shape, "torch", 2, 24, RANK, cuda=False).cpu_flops == 5e9
+    ctx.cpu_cache = (False, slot)
+    rp.calibrations, rp._cpu_mark = 0, None
+    calibrate()
+    after = measure.machine_rates(shape, "torch", 2, 24, RANK, cuda=False)
+    assert after.cpu_flops == pytest.approx(ctx.rates.cpu_flops)
+    assert after.source["cpu_flops"].startswith("cached from a training run")

@@ -308,10 +308,12 @@ def machine_rates(
 
     rows = rows_per_expert(shape, tokens)
     cpu_given = any(k.startswith("cpu_") for k in overrides)
-    cpu_key = f"{backend} | {threads} threads | H {shape.hidden} I {shape.inter} | {rows} rows"
+    cpu_key = cpu_rate_key(shape, backend, threads, tokens)
     cpu = figure(
         "cpu_flops", cpu_key, cpu_given, lambda: measure_cpu_flops(shape, backend, threads, tokens, rank)
     )
+    if src.get("cpu_flops", "").startswith("cached") and cpu_key in entry.get(RUN_SOURCE, {}):
+        src["cpu_flops"] = f"cached from a training run ({cache_path()})"
     link = gpu = gpu_e = None
     if cuda:
         link = figure("link_bytes_s", None, "link_gbps" in overrides, measure_link_bytes_s)
@@ -326,6 +328,26 @@ def machine_rates(
     if changed:
         _save_cache(data)
     return apply_overrides(Rates(cpu, link, gpu, gpu_e, src), overrides, shape, rank)
+
+
+def cpu_rate_key(shape: LayerShape, backend: str, threads: int, tokens: int) -> str:
+    """The cache slot of the CPU op's rate: backend, threads, layer shape, rows per expert."""
+    rows = rows_per_expert(shape, tokens)
+    return f"{backend} | {threads} threads | H {shape.hidden} I {shape.inter} | {rows} rows"
+
+
+RUN_SOURCE = "cpu_flops_from_run"  # cache entry: the CPU slots whose figure a training run measured
+
+
+def remember_cpu_flops(cuda: bool, cpu_key: str, flops: float) -> None:
+    """Keep the CPU op's rate as a training run measured it (``Replanner.calibrate``) in the cache
+    slot ``cpu_key``, so the next run on this machine plans with it from its start: the op inside
+    a step runs slower than alone (on an H200 host with kt-kernel: 0.37 TFLOP/s against 1.38)."""
+    data = _load_cache()
+    entry = data.setdefault(machine_key(cuda), {})
+    entry.setdefault("cpu_flops", {})[cpu_key] = flops
+    entry.setdefault(RUN_SOURCE, {})[cpu_key] = True
+    _save_cache(data)
 
 
 def describe(rates: Rates, shape: LayerShape, rank: int) -> list[str]:

@@ -45,7 +45,7 @@ from ..rules.plan import PlacementPlan
 from ..rules.report import CUDA_GROWTH_BYTES, TrainSizes
 from .auto import auto_layers, format_placement, layer_shape, placement_section, plan_auto
 from .cost import LayerShape, Rates
-from .measure import describe, machine_rates
+from .measure import cpu_rate_key, describe, machine_rates, remember_cpu_flops
 from .planner import Choice
 
 logger = get_logger(__name__)
@@ -118,6 +118,9 @@ class AutoContext:
     expert_budget_bytes: int | None = None  # the bench's budget for the experts (instead of cap_bytes)
     layer_scale: float = 1.0
     cuda_overhead_bytes: int | None = None  # measured at start + CUDA_GROWTH_BYTES (None: estimated)
+    # (cuda, cache slot) of the CPU rate when it came from this machine's cache / measurement: a
+    # calibration keeps the run's rate there (``measure.remember_cpu_flops``); None: given rates
+    cpu_cache: tuple[bool, str] | None = None
 
 
 def auto_at_start(
@@ -144,11 +147,13 @@ def auto_at_start(
     device = plan.default_device
     cuda = device.type == "cuda"
     tokens = sizes.cutoff_len * sizes.batch
+    cpu_cache = None
     if rates is None:
         backend = select_backend(first.backend, dtype, first.spec)[0].name
         rates = machine_rates(
             shape, backend, first.threads or 1, tokens, sizes.lora_rank, remeasure, cuda=cuda
         )
+        cpu_cache = (cuda, cpu_rate_key(shape, backend, first.threads or 1, tokens))
     cap = context = overhead = None
     if gpu_memory_gib is not None:
         cap = int(gpu_memory_gib * GIB)
@@ -188,7 +193,7 @@ def auto_at_start(
         + format_placement(section)
     )
     return AutoContext(
-        model, plan, dtype, sizes, rates, cap, expert_budget_bytes, layer_scale, overhead
+        model, plan, dtype, sizes, rates, cap, expert_budget_bytes, layer_scale, overhead, cpu_cache
     ), choice
 
 
@@ -306,9 +311,13 @@ class Replanner:
         self.ctx.rates = dataclasses.replace(
             rates, cpu_flops=in_run, source={**rates.source, "cpu_flops": "this run"}
         )
+        kept = ""
+        if self.ctx.cpu_cache is not None:  # the next run on this machine starts from it
+            remember_cpu_flops(*self.ctx.cpu_cache, in_run)
+            kept = " (kept in the rates cache for later runs)"
         logger.info(
             f"placement: auto: the CPU op ran at {in_run / 1e12:.3g} TFLOP/s in this run, "
-            f"{ratio:.2f}x the {rates.cpu_flops / 1e12:.3g} planned with: planning again with it"
+            f"{ratio:.2f}x the {rates.cpu_flops / 1e12:.3g} planned with: planning again with it{kept}"
         )
         return self.replan(dict(self.planned_with), reason="the CPU op's rate in this run")
 
