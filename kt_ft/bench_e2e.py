@@ -471,12 +471,14 @@ def run_e2e(
     if not cuda:
         gpu_index = None
     examples = steps * grad_accum + 8
-    # in a child process: the model is built on the GPU, and the CUDA context (~0.6 GiB on an H200)
-    # leaves with the child, so what the driver reports during the runs is theirs alone
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        model_dir, data_dir, layers = pool.apply(
-            write_assets, (workdir, preset, layers, cutoff_len, examples)
-        )
+    args = (workdir, preset, layers, cutoff_len, examples)
+    if cuda:
+        # in a child process: the model is built on the GPU, and the CUDA context (~0.6 GiB on an
+        # H200) leaves with the child, so what the driver reports during the runs is theirs alone
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            model_dir, data_dir, layers = pool.apply(write_assets, args)
+    else:
+        model_dir, data_dir, layers = write_assets(*args)
     records = []
     prof_root = settings.get("KT_FT_PROFILE")
     for system in systems:
