@@ -259,7 +259,7 @@ class Monitor:
     """Polls the device memory the driver reports (``nvidia-smi``, GPU ``gpu_index``) and host used
     memory while a run lasts; keeps the peaks (bytes)."""
 
-    def __init__(self, gpu_index: int | None, interval_s: float = 0.2) -> None:
+    def __init__(self, gpu_index: str | None, interval_s: float = 0.2) -> None:
         self.gpu_index, self.interval_s = gpu_index, interval_s
         self.gpu_peak: int | None = None
         self.host_peak = 0
@@ -273,7 +273,7 @@ class Monitor:
             ms = str(max(50, int(self.interval_s * 1000)))
             self._smi = subprocess.Popen(
                 ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                 "-i", str(self.gpu_index), "-lms", ms],
+                 "-i", self.gpu_index, "-lms", ms],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )  # fmt: skip
             self._threads.append(threading.Thread(target=self._read_smi, daemon=True))
@@ -384,7 +384,7 @@ def run_system(
     preset: str,
     layers: int,
     grad_accum: int,
-    gpu_index: int | None,
+    gpu_index: str | None,
     timeout_s: float,
     env: dict[str, str] | None = None,
 ) -> E2ERecord:
@@ -467,9 +467,8 @@ def run_e2e(
     import torch
 
     cuda = torch.cuda.is_available()
-    gpu_index = int(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or 0) if cuda else None
-    if not cuda:
-        gpu_index = None
+    # the runs' GPU as nvidia-smi names it: CUDA_VISIBLE_DEVICES's first entry (an index or a UUID)
+    gpu_index = (os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0") if cuda else None
     examples = steps * grad_accum + 8
     args = (workdir, preset, layers, cutoff_len, examples)
     if cuda:
