@@ -88,12 +88,13 @@ class KTRun:
 
     def expert_lora(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of every expert-LoRA tensor the run added."""
-        for name, m in self.model.named_modules():
-            if hasattr(m, "runner") and hasattr(m, "lora_tensors"):
-                from .kernels import LORA_NAMES
+        from .kernels import LORA_NAMES
+        from .moe.experts import KTExperts
 
-                for n in LORA_NAMES:
-                    yield f"{name}.{n}", getattr(m, n)
+        for name, m in self.model.named_modules():
+            if isinstance(m, KTExperts):
+                for n, p in zip(LORA_NAMES, m.lora_tensors(), strict=True):
+                    yield f"{name}.{n}", p
 
 
 def resolve_rule(rule: str | Path | None, family) -> Path:

@@ -218,7 +218,8 @@ class FusedGroupedExperts(torch.autograd.Function):
             xs, gu, pa, h, pd, d, ws, tok, pairs, base.gate_up, base.down, a_gu, b_gu, ad, bd
         )
         ctx.meta = (
-            base,
+            spec,
+            inter,
             scaling,
             groups,
             x.shape,
@@ -232,10 +233,11 @@ class FusedGroupedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         xs, gu, pa, h, pd, d, ws, tok, pairs, w_gu, w_d, a_gu, b_gu, ad, bd = ctx.saved_tensors
-        base, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes = ctx.meta
-        spec = base.spec
+        # the spec and sizes only: the weights the backward reads come through saved_tensors
+        # (where streamed ones are re-fetched: ``moe/streamed.py``'s saved-tensor hooks)
+        spec, inter, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes = ctx.meta
         dt = d.dtype
-        inter, r = base.intermediate, ad.shape[1]
+        r = ad.shape[1]
         gos = grad_out.index_select(0, tok)  # [N, H] accum dtype
         grad_w = None
         if ctx.needs_input_grad[1]:

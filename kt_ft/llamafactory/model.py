@@ -93,12 +93,14 @@ def _check_gpu_cap(config: Any, plan: Any, model_args: Any, cap_gib: float) -> N
     from ..rules.report import TrainSizes, check_gpu_cap
     from ..rules.skeleton import meta_model
 
-    cutoff, batch = getattr(model_args, "_kt_ft_micro_batch", None) or (
-        model_args.model_max_length or 2048,
-        1,
-    )
-    sizes = TrainSizes(cutoff, batch, getattr(model_args, "_kt_ft_lora_rank", 8))
+    sizes = TrainSizes(*_micro_batch(model_args), getattr(model_args, "_kt_ft_lora_rank", 8))
     check_gpu_cap(meta_model(config, torch.bfloat16), plan, torch.bfloat16, sizes, cap_gib, recipe_source())
+
+
+def _micro_batch(model_args: Any) -> tuple[int, int]:
+    """(cutoff_len, per_device_train_batch_size), noted by ``KTArguments.apply_kt_config``; before
+    LLaMA-Factory has called it, (model_max_length or 2048, 1)."""
+    return getattr(model_args, "_kt_ft_micro_batch", None) or (model_args.model_max_length or 2048, 1)
 
 
 def take_expert_stream(model_args: Any):
@@ -144,11 +146,7 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
         # Inference: the adapter, not the chat/export recipe, says what rank the expert LoRA has.
         lora = read_manifest(src)["lora"]
         rank, alpha, use_rslora = lora["rank"], lora["alpha"], lora["use_rslora"]
-    # cutoff_len x per_device_train_batch_size, noted by KTArguments.apply_kt_config
-    cutoff, batch = getattr(model_args, "_kt_ft_micro_batch", None) or (
-        model_args.model_max_length or 2048,
-        1,
-    )
+    cutoff, batch = _micro_batch(model_args)
     config = KTConfig(
         rule=model_args.kt_optimize_rule,
         rank=rank,
