@@ -449,3 +449,26 @@ def test_split_changed_between_steps_trains_like_all_cpu(tmp_path):
     assert not m.runner.prepared
     m.set_placement((), ())
     assert m.runner.prepared and m.device_experts is None and m.streamed is None
+
+
+def test_run_summary_reports_the_schedulers_counters(tmp_path):
+    """The end-of-training log line (``kt_ft/run_stats.py``) states the stream scheduler's counters
+    as they are after a step, and says when nothing streams."""
+    from kt_ft.run_stats import run_summary, stream_stats
+
+    model = build(rule(tmp_path, MIXED), num_hidden_layers=LAYERS)
+    ids = batches()[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    sched = kt_layers(model)[0].streamed.scheduler
+    assert stream_stats(model) == sched.stats() and sched.copies == 2 * LAYERS - 2
+    line = run_summary(model, steps=1)
+    assert (
+        f"in {sched.copies} copies ({sched.copies:.1f} a step; forward {sched.copies_by['forward']}" in line
+    )
+    assert f"{sched.hits} uses found their layer" in line
+    other = run_summary(all_cpu(num_hidden_layers=2), steps=1)
+    assert (
+        other.startswith("GPU allocator")
+        if torch.cuda.is_available()
+        else other == "nothing streamed, no GPU"
+    )

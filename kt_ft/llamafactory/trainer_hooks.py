@@ -27,6 +27,7 @@ from ..checkpoint.manifest import write_manifest
 from ..distributed import barrier
 from ..log import get_logger
 from ..memory import memory_report
+from ..run_stats import run_summary
 from .fsdp_trainer import patch_trainer_for_fsdp2
 
 logger = get_logger(__name__)
@@ -54,6 +55,7 @@ class KTCheckpointCallback(TrainerCallback):
         if sync is not None:
             logger.info(f"expert-LoRA gradients averaged across ranks {sync.reductions} times this run")
         if getattr(model, "_kt_ft_info", None) is not None:
+            logger.info(f"run summary: {run_summary(model, state.global_step)}")
             memory_report(model)  # only with KT_FT_MEMORY_REPORT set (scripts/ddp_memory.py)
 
     def on_save(self, args, state, control, model=None, **kwargs):
