@@ -44,12 +44,17 @@ def test_layer_times_by_hand():
     t = layer_times(SHAPE, LayerSplit(), FAST, 0, T)
     assert t.cpu_s == pytest.approx(20) and t.gpu_s == 0
     assert t.link_s == pytest.approx(10 * 100 * 8 / 60_000)
-    assert t.seconds == pytest.approx(20) and t.bottleneck == "cpu"
+    # the CPU op does not overlap the link or the GPU (cost.py): its time adds to theirs
+    assert t.seconds == pytest.approx(20 + t.link_s) and t.bottleneck == "cpu"
     # expert 0 resident, 1 streamed: CPU 10 pairs; link 2·30,000 B + activations with an fp32 output
     t = layer_times(SHAPE, LayerSplit((0,), (1,)), FAST, 0, T)
     assert t.cpu_s == pytest.approx(10)
     assert t.link_s == pytest.approx((2 * B + 10 * 100 * (3 * 2 + 4)) / 60_000)
     assert t.gpu_s == pytest.approx(10 * 90_000 / 9e10)
+    assert t.seconds == pytest.approx(t.cpu_s + t.link_s)  # the link > the GPU; the CPU adds
+    # no CPU expert: the link and the GPU overlap
+    t = layer_times(SHAPE, LayerSplit((0, 1), (2, 3)), FAST, 0, T)
+    assert t.cpu_s == 0 and t.seconds == pytest.approx(max(t.link_s, t.gpu_s)) == 2 * 2 * B / 60_000
     # popularity: expert 1 takes half the pairs
     t = layer_times(SHAPE, LayerSplit((1,), ()), FAST, 0, T, popularity=[1, 4, 2, 1])
     assert t.cpu_s == pytest.approx(10) and t.gpu_s == pytest.approx(10 * 1e-6)
@@ -111,13 +116,14 @@ def test_cpu_bound_machine_streams():
 
 
 def test_slow_link_streams_nothing():
-    # link 1,000 B/s: a streamed expert costs 60 s; S=0 (layers 0 and 1 resident, 6 x 20 s = 120 s)
-    # beats S=1 (130 s) and every larger S
+    # link 1,000 B/s: a streamed expert costs 60 s; S=0 (layers 0 and 1 resident, 6 CPU layers)
+    # beats S=1 and every larger S
     slow = Rates(cpu_flops=60_000, link_bytes_s=1_000, gpu_flops=9e10)
     c = choose_splits(layers(8), slow, 0, T, budget_bytes=ACT + 8 * B)
     assert [s.streamed for s in c.splits] == [()] * 8
     assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 2 + [()] * 6
-    assert c.prediction.step_s == pytest.approx(120 + 2 * 20e-6)
+    # 6 CPU layers: 20 s of CPU op, then its activations over the slow link, 8,000 B (not overlapped)
+    assert c.prediction.step_s == pytest.approx(6 * (20 + 8) + 2 * 20e-6)
 
 
 def test_no_room_or_no_gpu_means_all_cpu():

@@ -27,8 +27,9 @@ as last resort) is tried for a few steps, each split's step time measured, and t
 (``TRIAL_STEPS``). Why measured and not predicted: on the GPU machine a 4-layer Qwen3-30B-A3B
 step with 7 of 128 experts a layer on the CPU took 220 ms against 121 ms with all of them
 streamed, where the model predicted the opposite (the CPU op's per-call work and the host time
-around it are not proportional to its pairs; the model's layer time max(cpu, link, gpu)
-assumes an overlap the step did not get).
+around it are not proportional to its pairs). The cost model now adds the CPU op's time to a
+layer's instead of hiding it under the link (``cost.py``), so it plans such splits only where
+the CPU is the cheaper home; the trial stays as the measured check.
 """
 
 from __future__ import annotations
