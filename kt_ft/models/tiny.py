@@ -87,6 +87,8 @@ def tiny_config(model_type: str, **overrides):
     keys = set(text.to_dict()) | set(getattr(type(text), "attribute_map", {}))
     shrunk = {k: v for k, v in SHRINK.items() if k in keys}
     shrunk |= TYPE_OVERRIDES.get(model_type, {}) | overrides
+    if "vocab_size_per_layer_input" in keys:  # Gemma's per-layer embeddings index the same tokens
+        shrunk.setdefault("vocab_size_per_layer_input", shrunk["vocab_size"])
     if text is not default:  # composite: the language model's keys go to its text config
         return AutoConfig.for_model(model_type, text_config=shrunk)
     return AutoConfig.for_model(model_type, **shrunk)
