@@ -1,4 +1,4 @@
-"""The ``kt-ft`` command: make-demo-model, bench, rules (list / check / plan), convert, merge."""
+"""The ``kt-ft`` command: make-demo-model, models, bench, rules (list / check / plan), convert, merge."""
 
 from __future__ import annotations
 
@@ -15,6 +15,27 @@ def _make_demo_model(args: argparse.Namespace) -> int:
     out = make_demo_model(args.dir, family=args.family, seed=args.seed, dtype=args.dtype)
     print(f"wrote {out}/model (tiny random {args.family}) and {out}/data (dataset_info.json, kt_demo.json)")
     return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    """Probe every experts-interface model type of this transformers (``models/probe.py``)."""
+    import transformers
+
+    from .models.probe import interface_model_types, models_markdown, probe
+
+    types = args.types.split(",") if args.types else interface_model_types()
+    rows = []
+    for t in types:
+        row = probe(t)
+        rows.append(row)
+        print(
+            f"{row.model_type}\t{row.status}\t{row.layout or row.detail[:160]}\t{row.seconds:.1f}s",
+            flush=True,
+        )
+    if args.write:
+        Path(args.write).write_text(models_markdown(rows, transformers.__version__))
+        print(f"wrote {args.write}")
+    return 0 if all(r.status != "error" for r in rows) else 1
 
 
 def _rules_list(args: argparse.Namespace) -> int:
@@ -239,6 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     demo.set_defaults(func=_make_demo_model)
+
+    models = sub.add_parser(
+        "models",
+        help="which model types of this transformers kt-ft fine-tunes: derive, refuse or check each on a tiny model",
+    )
+    models.add_argument("--types", default=None, help="comma-separated model types (default: every one whose "
+                        "experts use transformers' experts interface)")  # fmt: skip
+    models.add_argument("--write", default=None, help="also write the markdown table here (docs/models.md)")
+    models.set_defaults(func=_models)
 
     bench = sub.add_parser(
         "bench", help="benchmark the CPU expert op (every available backend) and GEMM ceilings"

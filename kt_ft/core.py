@@ -129,6 +129,9 @@ def apply(
     first, e.g. to share expert weights between processes); ``planned_auto``: the context of a
     ``placement: auto`` split the caller already wrote into ``plan`` (the bench plans for a model
     deeper than the one it runs). ``trainable`` False: no re-planner."""
+    from .models.dispatch import register_experts_function
+
+    register_experts_function()  # "kt_ft" in transformers' ALL_EXPERTS_FUNCTIONS (models/dispatch.py)
     if plan is None:
         plan, rule_path = plan_for(model, config)
     else:

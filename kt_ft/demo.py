@@ -2,7 +2,8 @@
 
 Nothing is downloaded: the model comes from a config (``models.FAMILIES[f].demo_config``,
 built as ``FAMILIES[f].demo_type``: the text-only model type where the real checkpoints are
-vision-language composites), the tokenizer is a byte-level BPE trained on the demo dataset
+vision-language composites; for a model type kt-ft derives from transformers' experts interface,
+its config class's defaults shrunk by ``models/tiny.py``), the tokenizer is a byte-level BPE trained on the demo dataset
 with ``tokenizers``.
 """
 
@@ -82,6 +83,21 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
+def _check_derived(model_type: str) -> None:
+    """A model type without a hand-written family: kt-ft must derive one (else KTConfigError with why)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .models import family_of
+    from .models.tiny import tiny_config
+
+    if model_type not in CONFIG_MAPPING:
+        raise KTConfigError(
+            f"--family {model_type!r} is not a model type of this transformers; valid choices: "
+            f"{', '.join(FAMILIES)} or a model type listed in docs/models.md"
+        )
+    family_of(tiny_config(model_type))
+
+
 def make_demo_model(
     out_dir: str | Path, family: str = "qwen3_moe", seed: int = 0, dtype: str = "float32", **config_overrides
 ) -> Path:
@@ -95,7 +111,7 @@ def make_demo_model(
     if family in UNSUPPORTED:
         raise KTConfigError(f"--family {family!r} is not supported by kt-ft: {UNSUPPORTED[family]}")
     if family not in FAMILIES:
-        raise KTConfigError(f"--family {family!r} is not supported; valid choices: {', '.join(FAMILIES)}")
+        _check_derived(family)
     out = Path(out_dir)
     data_dir, model_dir = out / "data", out / "model"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -107,17 +123,21 @@ def make_demo_model(
 
     texts = [f"{e['instruction']} {e['input']} {e['output']}" for e in examples] + ["user assistant system"]
     tokenizer = train_tokenizer(texts, vocab_size=400)
-    fam = FAMILIES[family]
     # Special tokens are the tokenizer's (ChatML-style for every family: the demo recipe's
     # template is `qwen`); the family's own bos/eos ids would point outside the small vocab.
-    config = AutoConfig.for_model(
-        fam.demo_type,
+    tokens = dict(
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        **{**fam.demo_config, **config_overrides},
     )
+    if family in FAMILIES:
+        fam = FAMILIES[family]
+        config = AutoConfig.for_model(fam.demo_type, **tokens, **{**fam.demo_config, **config_overrides})
+    else:  # a type derived from transformers' experts interface: its config class's defaults, shrunk
+        from .models.tiny import tiny_config
+
+        config = tiny_config(family, **tokens, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     with torch.no_grad():  # HF inits gpt_oss's expert biases to zero; a real checkpoint's are not

@@ -252,6 +252,9 @@ SPECS = {
     "silu_with_biases": (ExpertSpec(), 0.5),
     "silu_transposed_interleaved": (ExpertSpec(transposed=True, interleaved=True), None),
     "clamped_halves_row_major": (ExpertSpec("gpt_oss_clamped", limit=1.0), 0.5),
+    # transformers' gelu_pytorch_tanh experts (Gemma 4) and the exact gelu
+    "gelu_tanh": (ExpertSpec("gelu_tanh"), None),
+    "gelu_transposed_interleaved_biases": (ExpertSpec("gelu", transposed=True, interleaved=True), 0.5),
 }
 
 
@@ -347,3 +350,19 @@ def test_torch_ep_runs_products_on_its_worker_threads(rng):
         torch.mm = mm
     assert seen == {"kt-ft-expert"}
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+def test_gated_act_backward_matches_autograd(activation):
+    """The hand-written (dg, du) of each gated activation == autograd of ``gated_act`` (float64,
+    rtol 1e-10): the variant and device backends use the former, the reference the latter."""
+    from kt_ft.kernels.activation import gated_act, gated_act_backward
+
+    gen = torch.Generator().manual_seed(7)
+    g, u, dh = (torch.randn(9, 5, dtype=torch.float64, generator=gen) * 3 for _ in range(3))
+    spec = ExpertSpec(activation)
+    g.requires_grad_(), u.requires_grad_()
+    want = torch.autograd.grad(gated_act(g, u, spec), (g, u), dh)
+    got = gated_act_backward(dh, g.detach(), u.detach(), spec)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

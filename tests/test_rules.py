@@ -345,18 +345,25 @@ def test_shipped_rule_plans_a_tiny_model_of_its_family(name):
     file matches a (meta) tiny model of its family; rules written for a layer count say it."""
     from transformers import AutoConfig
 
+    from kt_ft.models import family_of
+    from kt_ft.models.derived import GENERIC_RULE
+    from kt_ft.models.tiny import tiny_config
     from kt_ft.rules.skeleton import meta_model
 
     path = resolve_rule_path(name)
     text = path.read_text()
     assert f"# Preview: kt-ft rules plan --rule {name} --model DIR" in text
-    family = FAMILIES[name.split("-")[0]]
-    cfg = dict(family.demo_config)
-    layers = re.search(r"\((\d+) layers", text.splitlines()[0])
-    if layers:
-        cfg["num_hidden_layers"] = int(layers.group(1))
-        cfg.pop("layer_types", None)
-    config = AutoConfig.for_model(family.demo_type, vocab_size=97, **cfg)
+    if name == GENERIC_RULE:  # the rule of derived families: a tiny model of one of them
+        config = tiny_config("dots1")
+        family = family_of(config)
+    else:
+        family = FAMILIES[name.split("-")[0]]
+        cfg = dict(family.demo_config)
+        layers = re.search(r"\((\d+) layers", text.splitlines()[0])
+        if layers:
+            cfg["num_hidden_layers"] = int(layers.group(1))
+            cfg.pop("layer_types", None)
+        config = AutoConfig.for_model(family.demo_type, vocab_size=97, **cfg)
     plan = make_plan(
         meta_model(config, torch.bfloat16), load_rules(path), family, "auto", 2, planning_only=True
     )

@@ -1,6 +1,8 @@
 """Gated activations of the routed experts, h = act(g, u), and their hand-written derivatives.
 
-``silu``: h = silu(g) * u (every family but gpt_oss).
+``silu``: h = silu(g) * u (most families).
+``gelu_tanh`` / ``gelu``: h = gelu(g) * u, tanh approximation (transformers' ``gelu_pytorch_tanh``,
+e.g. Gemma 4's experts) or exact erf (``gelu``).
 ``gpt_oss_clamped`` (transformers' ``GptOssExperts._apply_gate``, line by line):
 gc = min(g, limit), uc = clamp(u, -limit, limit), h = (uc + 1) * gc * sigmoid(alpha * gc).
 Its derivative follows torch's clamp: the gradient passes where limit is not exceeded
@@ -17,11 +19,16 @@ import torch.nn.functional as F
 
 from .base import ExpertSpec
 
+# ExpertSpec.activation -> F.gelu's ``approximate``
+_GELU = {"gelu_tanh": "tanh", "gelu": "none"}
+
 
 def gated_act(g: torch.Tensor, u: torch.Tensor, spec: ExpertSpec) -> torch.Tensor:
     """h [N, I] = act(g, u); differentiable by autograd (the reference backend uses it)."""
     if spec.activation == "silu":
         return F.silu(g) * u
+    if spec.activation in _GELU:
+        return F.gelu(g, approximate=_GELU[spec.activation]) * u
     gc = g.clamp(max=spec.limit)
     uc = u.clamp(min=-spec.limit, max=spec.limit)
     return (uc + 1) * (gc * torch.sigmoid(gc * spec.alpha))
@@ -33,6 +40,9 @@ def gated_act_backward(
     """(dg, du) [N, I] for upstream dh [N, I]: the gradients of act(g, u) w.r.t. g and u."""
     if spec.activation == "silu":
         return torch.ops.aten.silu_backward(dh * u, g), dh * F.silu(g)
+    if spec.activation in _GELU:
+        approx = _GELU[spec.activation]
+        return torch.ops.aten.gelu_backward(dh * u, g, approximate=approx), dh * F.gelu(g, approximate=approx)
     a, lim = spec.alpha, spec.limit
     gc = g.clamp(max=lim)
     uc = u.clamp(min=-lim, max=lim)

@@ -50,7 +50,9 @@ class LoraTensors(NamedTuple):
     down_b: torch.Tensor
 
 
-ACTIVATIONS = ("silu", "gpt_oss_clamped")
+# gated activations the CPU op computes (kernels/activation.py); transformers' act_fn names: silu,
+# gelu_pytorch_tanh (gelu_tanh), gelu (erf)
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "gpt_oss_clamped")
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,8 @@ class ExpertSpec:
     """How one family stores and activates its routed experts (the default: transformers v5's
     silu-gated fused layout, ``gate_up`` [E, 2I, H] rows :I gate / I: up, no biases).
 
-    ``activation``: ``silu`` (h = silu(g) * u) or ``gpt_oss_clamped`` (g clamped to <= limit,
+    ``activation``: ``silu`` (h = silu(g) * u), ``gelu_tanh`` / ``gelu`` (h = gelu(g) * u, tanh
+    approximation or exact erf) or ``gpt_oss_clamped`` (g clamped to <= limit,
     u to [-limit, limit], h = (u + 1) * g * sigmoid(alpha * g)); ``transposed``: ``gate_up``
     [E, H, 2I] and ``down`` [E, I, H], used as x @ W; ``interleaved``: gate/up alternate along
     the 2I axis (gate 0::2, up 1::2) instead of halves.
@@ -87,6 +90,11 @@ class ExpertSpec:
     def describe(self) -> str:
         if self.is_default:
             return "silu(gate) * up"
+        if self.activation != "gpt_oss_clamped":
+            return (
+                f"{self.activation}(gate) * up, {'transposed' if self.transposed else 'row-major'}, "
+                f"gate/up {'interleaved' if self.interleaved else 'halves'}"
+            )
         return (
             f"{self.activation} (alpha {self.alpha:g}, limit {self.limit:g}), "
             f"{'transposed' if self.transposed else 'row-major'}, "

@@ -3,8 +3,10 @@
 transformers v5 stores routed experts fused (``gate_up_proj`` [E, 2I, H], ``down_proj``
 [E, H, I]; gpt_oss transposed, interleaved and with biases) and calls them as
 ``experts(hidden_states, top_k_index, top_k_weights)``; the router, shared experts and dense
-layers are other modules that stay on the GPU path. The families themselves are listed in
-``families.py``; ``expert_spec`` turns a family's expert layout into the kernels' ExpertSpec.
+layers are other modules that stay on the GPU path. The hand-written families are listed in
+``families.py``; any other model type whose experts class transformers decorated with
+``use_experts_implementation`` gets a family derived from its modules (``derived.py``,
+``interface.py``); ``expert_spec`` turns a family's expert layout into the kernels' ExpertSpec.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 from ..errors import KTConfigError
 from .families import FAMILIES, UNSUPPORTED, MoEFamily
+from .interface import derive_spec
 
 __all__ = [
     "FAMILIES",
@@ -31,14 +34,17 @@ _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 
 
 def family_of(config) -> MoEFamily:
-    """The family of a transformers config (its ``model_type``), checked against what kt-ft computes."""
+    """The family of a transformers config (its ``model_type``), checked against what kt-ft computes:
+    a hand-written one (``families.py``), else one derived from the model's experts-interface
+    modules on the meta device (``derived.py``; KTConfigError before any weight is read when the
+    CPU op cannot compute them)."""
     model_type = getattr(config, "model_type", None)
     if model_type in UNSUPPORTED:
         raise KTConfigError(f"model_type={model_type!r} is not supported by kt-ft: {UNSUPPORTED[model_type]}")
     if model_type not in _BY_MODEL_TYPE:
-        raise KTConfigError(
-            f"model_type={model_type!r} is not supported by kt-ft yet; supported: {', '.join(_BY_MODEL_TYPE)}"
-        )
+        from .derived import derive_family
+
+        return derive_family(config)
     family = _BY_MODEL_TYPE[model_type]
     # composite (vision-language) configs keep the language model's keys in text_config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -64,6 +70,11 @@ def expert_spec(family: MoEFamily, module: Any):
     by ``check_routed_experts``); gpt_oss's alpha and limit are read from the module."""
     from ..kernels.base import DEFAULT_SPEC, ExpertSpec
 
+    if family.expert_layout == "interface":
+        spec, problems = derive_spec(unwrap_peft(module))
+        if spec is None:
+            raise KTConfigError([f"{type(module).__name__}: {p}" for p in problems])
+        return spec
     if family.expert_layout == "gpt_oss":
         return ExpertSpec(
             "gpt_oss_clamped",
@@ -83,7 +94,9 @@ def check_routed_experts(name: str, module: Any, family: MoEFamily | None = None
     ``act_fn`` and transformers' default gate (silu(gate) * up on the halves :I / I:).
     ``gpt_oss``: see ``_gpt_oss_problems``.
     """
-    if family is not None and family.expert_layout == "gpt_oss":
+    if family is not None and family.expert_layout == "interface":
+        problems = derive_spec(module)[1]
+    elif family is not None and family.expert_layout == "gpt_oss":
         problems = _gpt_oss_problems(module)
     else:
         problems = _fused_silu_problems(module)

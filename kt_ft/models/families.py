@@ -11,6 +11,8 @@ Expert layouts (``MoEFamily.expert_layout``):
 
 * ``fused_silu`` (all but gpt_oss): ``gate_up_proj`` [E, 2I, H] (rows :I gate, I: up),
   ``down_proj`` [E, H, I], no biases, ``act_fn = silu``: h = silu(g) * u;
+* ``interface`` (families derived from transformers' experts interface, ``derived.py``): what
+  ``interface.py`` reads off each module (its decorator flags and its ``_apply_gate``);
 * ``gpt_oss`` (``GptOssExperts``): ``gate_up_proj`` [E, H, 2I] with gate/up interleaved (columns
   0::2 gate, 1::2 up), ``gate_up_proj_bias`` [E, 2I] (same column order), ``down_proj``
   [E, I, H], ``down_proj_bias`` [E, H], computed as x @ W + b; ``_apply_gate`` is a clamped

@@ -1,0 +1,144 @@
+"""Which model types of the installed transformers kt-ft fine-tunes: found, checked, and written up.
+
+``interface_model_types()`` lists the model types whose modeling file decorates an experts class
+with ``use_experts_implementation``; ``probe(model_type)`` builds a tiny random model of one
+(``tiny.py``), derives its family (or records the refusal and its reason) and, where supported,
+runs it twice on the same random tokens -- experts computed by transformers' ``eager`` and by
+kt-ft's CPU op through the ``"kt_ft"`` experts implementation (``dispatch.py``) -- and compares
+the logits (fp32, max abs difference <= 1e-4). ``kt-ft models --write docs/models.md`` writes
+the table (``models_markdown``); tests/test_interface_families.py checks training parity.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LOGITS_ATOL = 1e-4  # fp32; kernels sum in another order than eager
+
+
+def interface_model_types() -> list[str]:
+    """Model types (of CONFIG_MAPPING) whose modeling file uses ``@use_experts_implementation``,
+    that are causal LMs and not composites (a composite's language model has its own ``*_text``
+    type, listed where transformers has one)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES, model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    root = Path(transformers.__file__).parent / "models"
+    dirs = {
+        p.parent.name for p in root.glob("*/modeling_*.py") if "@use_experts_implementation" in p.read_text()
+    }
+    types = []
+    for t in CONFIG_MAPPING_NAMES:
+        if (
+            model_type_to_module_name(t) in dirs
+            and t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and not _composite(t)
+        ):
+            types.append(t)
+    return sorted(types)
+
+
+def _composite(model_type: str) -> bool:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    return hasattr(config, "get_text_config") and config.get_text_config() is not config
+
+
+@dataclass
+class ProbeRow:
+    model_type: str
+    status: str  # "supported" | "refused" | "error"
+    experts: str = ""  # experts class names
+    layout: str = ""  # the derived ExpertSpec, described
+    rule: str = ""
+    detail: str = ""  # refusal reason, error, or the logits difference
+    seconds: float = 0.0
+
+
+def randomize_routing(model) -> None:
+    """HF inits some routers (and DeepSeek-style score biases) to zero: give them real values so the
+    experts a token picks differ between tokens."""
+    import torch
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            leaf = n.rsplit(".", 2)
+            if len(leaf) == 3 and leaf[1] in ("gate", "router", "proj") and "experts" not in n:
+                if leaf[1] != "proj" or ".router." in n:
+                    p.normal_(0, 0.5)
+        for n, b in model.named_buffers():
+            if n.endswith(("e_score_correction_bias", "expert_bias")) and b.is_floating_point():
+                b.normal_(0, 0.1)
+
+
+def probe(model_type: str, seed: int = 0) -> ProbeRow:
+    """Derive, refuse or check ``model_type`` on a tiny random model (see module doc)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..errors import KTConfigError
+    from . import family_of
+    from .dispatch import use_kt_ft_experts
+    from .interface import derive_spec, interface_experts
+    from .tiny import tiny_config
+
+    t0 = time.perf_counter()
+    row = ProbeRow(model_type, "error")
+    try:
+        config = tiny_config(model_type)
+        try:
+            family = family_of(config)
+        except KTConfigError as err:
+            row.status, row.detail = "refused", str(err).replace("\n", " ")
+            return row
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        randomize_routing(model)
+        found = interface_experts(model)
+        row.experts = ", ".join(sorted({type(m).__name__ for _, m in found}))
+        row.layout = "; ".join(sorted({derive_spec(m)[0].describe() for _, m in found}))
+        row.rule = family.builtin_rule
+        ids = torch.randint(
+            3, config.get_text_config().vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed)
+        )
+        with torch.no_grad():
+            use_kt_ft_experts(model, "eager")
+            eager = model(input_ids=ids).logits
+            use_kt_ft_experts(model)
+            kt = model(input_ids=ids).logits
+        diff = (eager - kt).abs().max().item()
+        ok = diff <= LOGITS_ATOL
+        row.status = "supported" if ok else "error"
+        row.detail = f"logits max |eager - kt_ft| {diff:.1e}" + ("" if ok else f" > {LOGITS_ATOL:g}")
+    except Exception as err:  # noqa: BLE001 - a row per type: record why the tiny model failed
+        row.detail = f"{type(err).__name__}: {err}".replace("\n", " ")[:300]
+    finally:
+        row.seconds = time.perf_counter() - t0
+    return row
+
+
+def models_markdown(rows: list[ProbeRow], transformers_version: str) -> str:
+    """docs/models.md: the probe's table (generated; not edited by hand)."""
+    lines = [
+        "# Model types kt-ft fine-tunes",
+        "",
+        f"Generated by `kt-ft models --write docs/models.md` on transformers {transformers_version}; "
+        "do not edit by hand. Every model type whose routed experts use transformers' experts interface "
+        "(`@use_experts_implementation`) was built tiny from its config class's defaults "
+        "(`kt_ft/models/tiny.py`) and its family derived from the module (`kt_ft/models/interface.py`); "
+        "a supported type's logits with its experts computed by kt-ft's CPU op (experts implementation "
+        f"`kt_ft`) equal transformers' eager ones to {LOGITS_ATOL:g} (fp32). Training parity for each is "
+        "`tests/test_interface_families.py`. Composite (vision-language) types use their language model's "
+        "row (e.g. `qwen3_5_moe` -> `qwen3_5_moe_text`).",
+        "",
+        "| model_type | status | experts class | layout / activation | built-in rule | detail |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        detail = r.detail.replace("|", "\\|")
+        lines.append(f"| {r.model_type} | {r.status} | {r.experts} | {r.layout} | {r.rule} | {detail} |")
+    return "\n".join(lines) + "\n"
