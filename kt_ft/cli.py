@@ -134,8 +134,8 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import PRESETS, available_backends, run, write_json
-    from .bench_step import STEP_SYSTEMS, run_step
+    from .bench.op import PRESETS, available_backends, run, write_json  # why: torch on use only
+    from .bench.step import STEP_SYSTEMS, run_step
 
     if args.preset not in PRESETS:
         raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
@@ -145,8 +145,8 @@ def _bench(args: argparse.Namespace) -> int:
             raise KTConfigError(
                 f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step, placement, e2e"
             )
-    if "e2e" in parts:  # the product path: `llamafactory-cli train` per system (kt_ft/bench_e2e.py)
-        from .bench_e2e import DEFAULT_SYSTEMS, parse_systems, run_e2e
+    if "e2e" in parts:  # the product path: `llamafactory-cli train` per system (kt_ft/bench/e2e.py)
+        from .bench.e2e import DEFAULT_SYSTEMS, parse_systems, run_e2e  # why: LF runs only
 
         try:
             e2e_systems = parse_systems(args.e2e_systems or DEFAULT_SYSTEMS)
@@ -192,7 +192,7 @@ def _bench(args: argparse.Namespace) -> int:
         records += run_step(args.preset, layers, args.seq, systems, step_backends, args.threads,
                             args.steps, args.gpu_cap)  # fmt: skip
     if "placement" in parts:
-        from .bench_placement import plot_placement, run_placement
+        from .bench.placement import plot_placement, run_placement  # why: placement runs only
 
         layers = [int(v) for v in args.layers.split(",")] if args.layers else [None]
         step_backends = [b for b in backends if b != "reference"] or ["auto"]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kt_ft.bench_e2e import last_half_rate, parse_systems, rate_from_log
+from kt_ft.bench.e2e import last_half_rate, parse_systems, rate_from_log
 
 
 def test_rate_from_log_uses_lf_elapsed_time_and_skips_a_step():

@@ -28,7 +28,7 @@ from kt_ft.errors import KTConfigError
 from kt_ft.hparams import default_cpu_infer
 from kt_ft.models import FAMILIES
 from kt_ft.moe.experts import KTExperts
-from kt_ft.moe.resident import pick_stream_ids
+from kt_ft.placement.homes import pick_stream_ids
 from kt_ft.moe.streamed import StreamScheduler, is_page_locked
 from kt_ft.rules import load_rules, make_plan, resolve_rule_path
 

@@ -62,7 +62,7 @@ def layer_index(module_name: str) -> int:
 def expert_spec(family: MoEFamily, module: Any):
     """The kernels' ExpertSpec for ``module``, a routed-experts module of ``family`` (layout-checked
     by ``check_routed_experts``); gpt_oss's alpha and limit are read from the module."""
-    from ..kernels.base import DEFAULT_SPEC, ExpertSpec
+    from ..kernels.base import DEFAULT_SPEC, ExpertSpec  # why: torch-free module; kernels import torch
 
     if family.expert_layout == "gpt_oss":
         return ExpertSpec(
@@ -128,7 +128,7 @@ def _gpt_oss_problems(module: Any) -> list[str]:
     gate/up columns: checked by running it on probe values on both sides of the limits."""
     import torch
 
-    from ..kernels.activation import gated_act
+    from ..kernels.activation import gated_act  # why: as in expert_spec
 
     params = {
         n: getattr(module, n, None)

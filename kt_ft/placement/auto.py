@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from ..log import fmt_bytes
-from ..moe.patch import lora_home
 from ..rules.plan import ExpertPlacement, PlacementPlan
-from ..rules.report import TRAIN_STATE_BYTES, TrainSizes, _expert_dims, estimate
+from ..rules.report import TRAIN_STATE_BYTES, TrainSizes, _expert_dims, _ranges, estimate
 from ..rules.schema import GpuExpertSpec
 from .cost import LayerShape, LayerSplit, Prediction, Rates, non_expert_flops, predict
+from .homes import lora_home, pick_resident_ids, pick_stream_ids
 from .planner import Choice, PlannerInput, choose_splits
 
 
@@ -56,8 +56,6 @@ def model_non_expert_flops(model: torch.nn.Module, plan: PlacementPlan, sizes: T
 
 
 def _resident_ids(e: ExpertPlacement, num: int, popularity: Sequence[float] | None) -> tuple[int, ...]:
-    from ..moe.resident import pick_resident_ids
-
     spec = e.gpu_experts
     if spec is None:
         return ()
@@ -77,8 +75,6 @@ def current_splits(
         res = _resident_ids(e, num, pop)
         st: tuple[int, ...] = ()
         if e.stream_experts is not None:  # ids, a count, or ``all`` (both None): the run's own pick
-            from ..moe.resident import pick_stream_ids
-
             se = e.stream_experts
             pop_t = None if pop is None else torch.tensor(list(pop), dtype=torch.float64)
             st = pick_stream_ids(num, res, se.ids, se.count, pop_t)
@@ -181,12 +177,6 @@ def plan_auto(
             f"= {fmt_bytes(max(budget, 0))} for them",
         )
     return choice
-
-
-def _ranges(layers: list[int]) -> str:
-    from ..rules.report import _ranges as r
-
-    return r(layers)
 
 
 def placement_section(

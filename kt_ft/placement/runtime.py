@@ -40,7 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import select_backend
 from ..log import fmt_bytes, get_logger
+from ..models import unwrap_peft
+from ..moe.experts import KTExperts
 from ..rules.plan import PlacementPlan
 from ..rules.report import CUDA_GROWTH_BYTES, TrainSizes
 from .auto import auto_layers, format_placement, layer_shape, placement_section, plan_auto
@@ -138,8 +141,6 @@ def auto_at_start(
     autos = auto_layers(plan)
     if not autos:
         return None
-    from ..kernels import select_backend
-    from ..models import unwrap_peft
 
     first = autos[0]
     dtype = unwrap_peft(model.get_submodule(first.name)).gate_up_proj.dtype
@@ -254,7 +255,6 @@ class Replanner:
             m.count_routing = self.active and every > 0
 
     def _modules(self) -> dict[int, torch.nn.Module]:
-        from ..moe.experts import KTExperts
 
         auto = {e.layer for e in auto_layers(self.ctx.plan)}
         return {
