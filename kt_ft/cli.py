@@ -1,4 +1,8 @@
-"""The ``kt-ft`` command: make-demo-model, bench, rules (list / check / plan), convert, merge."""
+"""The ``kt-ft`` command: make-demo-model, bench, rules (list / check / plan), convert, merge.
+
+Each subcommand imports what it needs when it runs (``# why: lazy CLI``): ``kt-ft --help``
+and a mistyped command answer without loading torch.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from .errors import KTConfigError
 
 
 def _make_demo_model(args: argparse.Namespace) -> int:
-    from .demo import make_demo_model
+    from .demo import make_demo_model  # why: lazy CLI
 
     out = make_demo_model(args.dir, family=args.family, seed=args.seed, dtype=args.dtype)
     print(f"wrote {out}/model (tiny random {args.family}) and {out}/data (dataset_info.json, kt_demo.json)")
@@ -18,7 +22,7 @@ def _make_demo_model(args: argparse.Namespace) -> int:
 
 
 def _rules_list(args: argparse.Namespace) -> int:
-    from .rules import builtin_rule_names, resolve_rule_path
+    from .rules import builtin_rule_names, resolve_rule_path  # why: lazy CLI
 
     for name in builtin_rule_names():
         print(f"{name}\t{resolve_rule_path(name)}")
@@ -29,11 +33,11 @@ def _rule_and_model(
     rule: str, model_dir: str | None, cpu_infer: int | None, kt_backend: str = "auto", cuda_count=None
 ):
     """rule file -> RuleSet; with a model dir also its meta skeleton and planning-only plan."""
-    from .rules import load_rules, resolve_rule_path
+    from .rules import load_rules, resolve_rule_path  # why: lazy CLI
 
     path = resolve_rule_path(rule)
     if path is None:
-        from .rules import builtin_rule_names
+        from .rules import builtin_rule_names  # why: lazy CLI
 
         raise KTConfigError(
             f"{rule}: no such rule file or built-in rule; built-in rules: {', '.join(builtin_rule_names())}"
@@ -41,10 +45,10 @@ def _rule_and_model(
     rules = load_rules(path, cuda_count)
     if model_dir is None:
         return rules, None, None, None
-    from .hparams import default_cpu_infer
-    from .models import family_of
-    from .rules import make_plan
-    from .rules.skeleton import checkpoint_dtype, load_config, meta_model
+    from .hparams import default_cpu_infer  # why: lazy CLI
+    from .models import family_of  # why: lazy CLI
+    from .rules import make_plan  # why: lazy CLI
+    from .rules.skeleton import checkpoint_dtype, load_config, meta_model  # why: lazy CLI
 
     config = load_config(model_dir)
     family = family_of(config)
@@ -59,7 +63,7 @@ def _rule_and_model(
 
 
 def _rules_check(args: argparse.Namespace) -> int:
-    from .rules.plan import cuda_device_count
+    from .rules.plan import cuda_device_count  # why: lazy CLI
 
     rules, _, plan, _ = _rule_and_model(args.file, args.model, None, cuda_count=cuda_device_count())
     extra = f" ({len(rules.includes)} included files)" if rules.includes else ""
@@ -73,9 +77,9 @@ def _rules_check(args: argparse.Namespace) -> int:
 def _rules_plan(args: argparse.Namespace) -> int:
     import json
 
-    from .placement.auto import auto_layers, format_placement
-    from .placement.measure import parse_overrides
-    from .rules.report import TrainSizes, check_budgets, estimate, format_report
+    from .placement.auto import auto_layers, format_placement  # why: lazy CLI
+    from .placement.measure import parse_overrides  # why: lazy CLI
+    from .rules.report import TrainSizes, check_budgets, estimate, format_report  # why: lazy CLI
 
     overrides = parse_overrides(args.rates)
     _, model, plan, dtype = _rule_and_model(args.rule, args.model, args.cpu_infer, args.kt_backend)
@@ -98,9 +102,14 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
     """Rates (overrides, the cache, or measured here), the auto split, and the prediction block."""
     import torch
 
-    from .kernels import select_backend
-    from .placement.auto import layer_shape, placement_section, plan_auto, training_device_key
-    from .placement.measure import describe, machine_rates
+    from .kernels import select_backend  # why: lazy CLI
+    from .placement.auto import (
+        layer_shape,
+        placement_section,
+        plan_auto,
+        training_device_key,
+    )  # why: lazy CLI
+    from .placement.measure import describe, machine_rates  # why: lazy CLI
 
     first = plan.experts[0]
     shape = layer_shape(model, first, dtype)
@@ -135,7 +144,7 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
 
 def _bench(args: argparse.Namespace) -> int:
     from .bench.op import PRESETS, available_backends, run, write_json  # why: torch on use only
-    from .bench.step import STEP_SYSTEMS, run_step
+    from .bench.step import STEP_SYSTEMS, run_step  # why: lazy CLI
 
     if args.preset not in PRESETS:
         raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
@@ -208,7 +217,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .export import convert_adapter
+    from .export import convert_adapter  # why: lazy CLI
 
     for d in convert_adapter(args.dir, args.out, split=args.split):
         print(f"wrote {d}")
@@ -216,14 +225,14 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from .export import merge_adapter
+    from .export import merge_adapter  # why: lazy CLI
 
     print(f"wrote {merge_adapter(args.dir, args.out, base=args.base)}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from . import __version__  # why: lazy CLI
 
     p = argparse.ArgumentParser(
         prog="kt-ft", description="kt-ft: MoE LoRA fine-tuning with experts on the CPU"
@@ -367,12 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .log import get_logger
-    from .settings import log_changed
+    from .log import get_logger  # why: lazy CLI
+    from .settings import log_changed  # why: lazy CLI
 
     log_changed(get_logger("kt_ft.cli"))
     if getattr(args, "command", None) == "bench" and args.threads is None:
-        from .hparams import physical_cpu_cores
+        from .hparams import physical_cpu_cores  # why: lazy CLI
 
         args.threads = physical_cpu_cores()
     try:
