@@ -135,10 +135,22 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
     # the run planned for trains on the rules' device, also when this machine lacks it (planning a
     # GPU run from a CPU-only one): where it puts the expert LoRA counts against the budget
     choice = plan_auto(
-        model, plan, dtype, sizes, rates, cap, training_device=torch.device(training_device_key(plan))
+        model,
+        plan,
+        dtype=dtype,
+        sizes=sizes,
+        rates=rates,
+        cap_bytes=cap,
+        training_device=torch.device(training_device_key(plan)),
     )
     return placement_section(
-        model, plan, dtype, sizes, rates, choice, describe(rates, shape, sizes.lora_rank)
+        model,
+        plan,
+        dtype=dtype,
+        sizes=sizes,
+        rates=rates,
+        choice=choice,
+        rate_lines=describe(rates, shape, sizes.lora_rank),
     )
 
 

@@ -71,7 +71,7 @@ class KTConfig:
 
     @property
     def scaling(self) -> float:
-        return lora_scaling(self.rank, self.alpha, self.use_rslora)
+        return lora_scaling(rank=self.rank, alpha=self.alpha, use_rslora=self.use_rslora)
 
 
 @dataclass

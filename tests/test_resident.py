@@ -297,8 +297,8 @@ def test_routing_weights_get_gradients_from_both_parts(family):
     spec = expert_spec(FAMILIES[family], hf)
     mods = [
         KTExperts(
-            hf, 0, RANK, 2.0, GroupedTorchBackend(), 4096, None, torch.float64, torch.Generator().manual_seed(1),
-            spec=spec, resident_ids=ids,
+            hf, layer_idx=0, rank=RANK, scaling=2.0, backend=GroupedTorchBackend(), chunk_size=4096, threads=None,
+            lora_dtype=torch.float64, generator=torch.Generator().manual_seed(1), spec=spec, resident_ids=ids,
         )
         for ids in ((), (2, 5))
     ]  # fmt: skip
@@ -511,7 +511,17 @@ def test_device_share_graphs_are_released_by_their_backward(ids):
     hf = tiny_model().model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(1)
     mods = [
-        KTExperts(hf, i, 4, 2.0, GroupedTorchBackend(), 4096, None, generator=gen, resident_ids=ids)
+        KTExperts(
+            hf,
+            layer_idx=i,
+            rank=4,
+            scaling=2.0,
+            backend=GroupedTorchBackend(),
+            chunk_size=4096,
+            threads=None,
+            generator=gen,
+            resident_ids=ids,
+        )
         for i in (0, 1)
     ]
     x = torch.randn(9, 64, requires_grad=True)

@@ -66,7 +66,7 @@ class Placement:
             )
             self.predicted_s = choice.prediction.step_s
             return f"resident/streamed/CPU {split_text(choice, shape.num_experts)}"
-        self.predicted_s = predict_plan(model, plan, dtype, sizes, rates).step_s
+        self.predicted_s = predict_plan(model, plan, dtype=dtype, sizes=sizes, rates=rates).step_s
         return f"every expert {'streamed' if self.kind == 'stream' else 'on the CPU'}"
 
 

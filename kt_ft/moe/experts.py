@@ -54,6 +54,7 @@ class KTExperts(nn.Module):
     def __init__(
         self,
         hf_experts: nn.Module,
+        *,  # the rest by name: rank / scaling / chunk_size / threads are all numbers
         layer_idx: int,
         rank: int,
         scaling: float,

@@ -20,7 +20,7 @@ from .streamed import StreamScheduler
 logger = get_logger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)  # twelve fields, several of one type: by name only
 class KTSummary:
     layers: list[int]
     num_experts: int
@@ -118,12 +118,12 @@ def replace_routed_experts(
             streamed[place.layer] = stream_ids
         kt = KTExperts(
             hf,
-            place.layer,
-            rank,
-            scaling,
-            backend,
-            chunk_size,
-            place.threads,
+            layer_idx=place.layer,
+            rank=rank,
+            scaling=scaling,
+            backend=backend,
+            chunk_size=chunk_size,
+            threads=place.threads,
             generator=gen,
             spec=spec,
             resident_ids=ids,
@@ -147,16 +147,16 @@ def replace_routed_experts(
     reasons = "; ".join(sorted({r for _, r in backends.values()}))
     threads = plan.experts[0].threads if plan.experts else None
     return KTSummary(
-        [p.layer for p in plan.experts],
-        num_experts,
-        names,
-        reasons,
-        threads,
-        lora_params,
-        expert_bytes,
-        plan.default_device,
-        resident,
-        streamed,
-        scheduler if streamed else None,
-        tuple(lora_dev_layers),
+        layers=[p.layer for p in plan.experts],
+        num_experts=num_experts,
+        backend=names,
+        backend_reason=reasons,
+        threads=threads,
+        lora_params=lora_params,
+        expert_bytes=expert_bytes,
+        default_device=plan.default_device,
+        resident=resident,
+        streamed=streamed,
+        scheduler=scheduler if streamed else None,
+        lora_on_device=tuple(lora_dev_layers),
     )

@@ -85,6 +85,7 @@ def current_splits(
 def predict_plan(
     model: torch.nn.Module,
     plan: PlacementPlan,
+    *,  # the rest by name (sizes, rates, caps: easy to swap)
     dtype: torch.dtype,
     sizes: TrainSizes,
     rates: Rates,
@@ -107,6 +108,7 @@ def training_device_key(plan: PlacementPlan) -> str:
 def plan_auto(
     model: torch.nn.Module,
     plan: PlacementPlan,
+    *,  # the rest by name (sizes, rates, caps: easy to swap)
     dtype: torch.dtype,
     sizes: TrainSizes,
     rates: Rates,
@@ -157,9 +159,9 @@ def plan_auto(
     choice = choose_splits(
         inputs,
         rates,
-        sizes.lora_rank,
-        sizes.cutoff_len * sizes.batch,
-        budget,
+        rank=sizes.lora_rank,
+        tokens=sizes.cutoff_len * sizes.batch,
+        budget_bytes=budget,
         allow_stream=stream,
         nonexpert_flops=model_non_expert_flops(model, plan, sizes),
         layer_scale=layer_scale,
@@ -182,6 +184,7 @@ def plan_auto(
 def placement_section(
     model: torch.nn.Module,
     plan: PlacementPlan,
+    *,  # the rest by name (sizes, rates, caps: easy to swap)
     dtype: torch.dtype,
     sizes: TrainSizes,
     rates: Rates,
@@ -190,7 +193,7 @@ def placement_section(
 ) -> dict:
     """The ``placement`` block of ``kt-ft rules plan`` (JSON-ready): per layer group the resident /
     streamed / CPU counts, the predicted seconds per resource and step, the bottleneck."""
-    pred = predict_plan(model, plan, dtype, sizes, rates)
+    pred = predict_plan(model, plan, dtype=dtype, sizes=sizes, rates=rates)
     splits = current_splits(model, plan)
     groups: list[dict] = []
     for e, s, t in zip(plan.experts, splits, pred.layers, strict=True):

@@ -150,6 +150,7 @@ def _spread(
 def choose_splits(
     inputs: Sequence[PlannerInput],
     rates: Rates,
+    *,  # the rest by name: rank, tokens and the byte counts are all numbers
     rank: int,
     tokens: int,
     budget_bytes: int | None,

@@ -169,10 +169,10 @@ def auto_at_start(
     choice = plan_auto(
         model,
         plan,
-        dtype,
-        sizes,
-        rates,
-        cap,
+        dtype=dtype,
+        sizes=sizes,
+        rates=rates,
+        cap_bytes=cap,
         expert_budget_bytes=expert_budget_bytes,
         layer_scale=layer_scale,
         cuda_overhead_bytes=overhead,
@@ -187,7 +187,13 @@ def auto_at_start(
             f"{fmt_bytes(ALLOCATOR_SLACK_BYTES)} free for fragmentation; expandable segments: {expandable}"
         )
     section = placement_section(
-        model, plan, dtype, sizes, rates, choice, describe(rates, shape, sizes.lora_rank)
+        model,
+        plan,
+        dtype=dtype,
+        sizes=sizes,
+        rates=rates,
+        choice=choice,
+        rate_lines=describe(rates, shape, sizes.lora_rank),
     )
     logger.info(
         f"placement: auto for {len(autos)} MoE layers, {tokens} tokens a micro-batch:"
@@ -444,10 +450,10 @@ class Replanner:
         return plan_auto(
             ctx.model,
             ctx.plan,
-            ctx.dtype,
-            ctx.sizes,
-            self._planning_rates(cpu_last_resort),
-            ctx.cap_bytes,
+            dtype=ctx.dtype,
+            sizes=ctx.sizes,
+            rates=self._planning_rates(cpu_last_resort),
+            cap_bytes=ctx.cap_bytes,
             popularity=counts,
             expert_budget_bytes=ctx.expert_budget_bytes,
             layer_scale=ctx.layer_scale,
