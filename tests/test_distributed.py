@@ -26,8 +26,8 @@ import pytest
 import torch
 from lf_runs import assert_close_runs, failure_text, finish, start_train, torchrun_env
 
-from kt_ft.distributed import Topology, threads_per_rank
 from kt_ft.moe.shared_weights import ALIGN, layout
+from kt_ft.processes import Topology, threads_per_rank
 
 
 def test_cpu_infer_is_split_between_local_ranks():
