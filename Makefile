@@ -15,7 +15,7 @@ export DISABLE_VERSION_CHECK := 0
 DEMO_DIR ?= demo
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint format clean-demo
+.PHONY: install demo test test-fast lint format clean-demo
 
 install: $(CACHED_VENV)/.stack-ok
 	@if [ ! -e $(VENV) ] || [ "$$(readlink $(VENV))" != "$(CACHED_VENV)" ]; then rm -rf $(VENV); ln -s $(CACHED_VENV) $(VENV); fi
@@ -38,6 +38,10 @@ demo: install $(DEMO_DIR)/model/config.json
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+# The suite without the LLaMA-Factory training subprocesses (DDP, FSDP2, resume, CLI runs, e2e bench).
+test-fast: install
+	$(BIN)/python -m pytest -m "not lf_subprocess and not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 lint: install
 	$(BIN)/ruff check kt_ft tests hatch_build.py

@@ -13,7 +13,7 @@ def __getattr__(name: str):
     """``kt_ft.apply`` / ``KTConfig`` / ``KTRun`` (``kt_ft/core.py``), imported on first use only:
     the start-up hook imports this package in every Python process."""
     if name in __all__:
-        from . import core
+        from . import core  # why: torch and the model code load on first use, not at start-up
 
         return getattr(core, name)
     raise AttributeError(f"module 'kt_ft' has no attribute {name!r}")

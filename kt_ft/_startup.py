@@ -15,6 +15,8 @@ from importlib.abc import Loader, MetaPathFinder
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
+from .settings import enabled
+
 # module imported -> "package.module:function" that patches it
 POST_IMPORT_PATCHES = {
     "llamafactory.hparams.parser": "kt_ft.llamafactory.patches:patch_parser_module",
@@ -67,8 +69,6 @@ class PostImportFinder(MetaPathFinder):
 
 
 def install() -> None:
-    from .settings import enabled
-
     if enabled("KT_FT_DISABLE"):
         return
     if any(isinstance(f, PostImportFinder) for f in sys.meta_path):

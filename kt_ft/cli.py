@@ -1,4 +1,8 @@
-"""The ``kt-ft`` command: make-demo-model, models, bench, rules (list / check / plan), convert, merge."""
+"""The ``kt-ft`` command: make-demo-model, models, bench, rules (list / check / plan), convert, merge.
+
+Each subcommand imports what it needs when it runs (``# why: lazy CLI``): ``kt-ft --help``
+and a mistyped command answer without loading torch.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from .errors import KTConfigError
 
 
 def _make_demo_model(args: argparse.Namespace) -> int:
-    from .demo import make_demo_model
+    from .demo import make_demo_model  # why: lazy CLI
 
     out = make_demo_model(args.dir, family=args.family, seed=args.seed, dtype=args.dtype)
     print(f"wrote {out}/model (tiny random {args.family}) and {out}/data (dataset_info.json, kt_demo.json)")
@@ -19,9 +23,9 @@ def _make_demo_model(args: argparse.Namespace) -> int:
 
 def _models(args: argparse.Namespace) -> int:
     """Probe every experts-interface model type of this transformers (``models/probe.py``)."""
-    import transformers
+    import transformers  # why: lazy CLI
 
-    from .models.probe import interface_model_types, models_markdown, probe
+    from .models.probe import interface_model_types, models_markdown, probe  # why: lazy CLI
 
     types = args.types.split(",") if args.types else interface_model_types()
     rows = []
@@ -39,7 +43,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _rules_list(args: argparse.Namespace) -> int:
-    from .rules import builtin_rule_names, resolve_rule_path
+    from .rules import builtin_rule_names, resolve_rule_path  # why: lazy CLI
 
     for name in builtin_rule_names():
         print(f"{name}\t{resolve_rule_path(name)}")
@@ -50,11 +54,11 @@ def _rule_and_model(
     rule: str, model_dir: str | None, cpu_infer: int | None, kt_backend: str = "auto", cuda_count=None
 ):
     """rule file -> RuleSet; with a model dir also its meta skeleton and planning-only plan."""
-    from .rules import load_rules, resolve_rule_path
+    from .rules import load_rules, resolve_rule_path  # why: lazy CLI
 
     path = resolve_rule_path(rule)
     if path is None:
-        from .rules import builtin_rule_names
+        from .rules import builtin_rule_names  # why: lazy CLI
 
         raise KTConfigError(
             f"{rule}: no such rule file or built-in rule; built-in rules: {', '.join(builtin_rule_names())}"
@@ -62,10 +66,10 @@ def _rule_and_model(
     rules = load_rules(path, cuda_count)
     if model_dir is None:
         return rules, None, None, None
-    from .hparams import default_cpu_infer
-    from .models import family_of
-    from .rules import make_plan
-    from .rules.skeleton import checkpoint_dtype, load_config, meta_model
+    from .hparams import default_cpu_infer  # why: lazy CLI
+    from .models import family_of  # why: lazy CLI
+    from .rules import make_plan  # why: lazy CLI
+    from .rules.skeleton import checkpoint_dtype, load_config, meta_model  # why: lazy CLI
 
     config = load_config(model_dir)
     family = family_of(config)
@@ -80,7 +84,7 @@ def _rule_and_model(
 
 
 def _rules_check(args: argparse.Namespace) -> int:
-    from .rules.plan import cuda_device_count
+    from .rules.plan import cuda_device_count  # why: lazy CLI
 
     rules, _, plan, _ = _rule_and_model(args.file, args.model, None, cuda_count=cuda_device_count())
     extra = f" ({len(rules.includes)} included files)" if rules.includes else ""
@@ -94,9 +98,9 @@ def _rules_check(args: argparse.Namespace) -> int:
 def _rules_plan(args: argparse.Namespace) -> int:
     import json
 
-    from .placement.auto import auto_layers, format_placement
-    from .placement.measure import parse_overrides
-    from .rules.report import TrainSizes, check_budgets, estimate, format_report
+    from .placement.auto import auto_layers, format_placement  # why: lazy CLI
+    from .placement.measure import parse_overrides  # why: lazy CLI
+    from .rules.report import TrainSizes, check_budgets, estimate, format_report  # why: lazy CLI
 
     overrides = parse_overrides(args.rates)
     _, model, plan, dtype = _rule_and_model(args.rule, args.model, args.cpu_infer, args.kt_backend)
@@ -119,9 +123,14 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
     """Rates (overrides, the cache, or measured here), the auto split, and the prediction block."""
     import torch
 
-    from .kernels import select_backend
-    from .placement.auto import layer_shape, placement_section, plan_auto, training_device_key
-    from .placement.measure import describe, machine_rates
+    from .kernels import select_backend  # why: lazy CLI
+    from .placement.auto import (
+        layer_shape,
+        placement_section,
+        plan_auto,
+        training_device_key,
+    )  # why: lazy CLI
+    from .placement.measure import describe, machine_rates  # why: lazy CLI
 
     first = plan.experts[0]
     shape = layer_shape(model, first, dtype)
@@ -147,16 +156,28 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
     # the run planned for trains on the rules' device, also when this machine lacks it (planning a
     # GPU run from a CPU-only one): where it puts the expert LoRA counts against the budget
     choice = plan_auto(
-        model, plan, dtype, sizes, rates, cap, training_device=torch.device(training_device_key(plan))
+        model,
+        plan,
+        dtype=dtype,
+        sizes=sizes,
+        rates=rates,
+        cap_bytes=cap,
+        training_device=torch.device(training_device_key(plan)),
     )
     return placement_section(
-        model, plan, dtype, sizes, rates, choice, describe(rates, shape, sizes.lora_rank)
+        model,
+        plan,
+        dtype=dtype,
+        sizes=sizes,
+        rates=rates,
+        choice=choice,
+        rate_lines=describe(rates, shape, sizes.lora_rank),
     )
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import PRESETS, available_backends, run, write_json
-    from .bench_step import STEP_SYSTEMS, run_step
+    from .bench.op import PRESETS, available_backends, run, write_json  # why: torch on use only
+    from .bench.step import STEP_SYSTEMS, run_step  # why: lazy CLI
 
     if args.preset not in PRESETS:
         raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
@@ -166,8 +187,8 @@ def _bench(args: argparse.Namespace) -> int:
             raise KTConfigError(
                 f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step, placement, e2e"
             )
-    if "e2e" in parts:  # the product path: `llamafactory-cli train` per system (kt_ft/bench_e2e.py)
-        from .bench_e2e import DEFAULT_SYSTEMS, parse_systems, run_e2e
+    if "e2e" in parts:  # the product path: `llamafactory-cli train` per system (kt_ft/bench/e2e.py)
+        from .bench.e2e import DEFAULT_SYSTEMS, parse_systems, run_e2e  # why: LF runs only
 
         try:
             e2e_systems = parse_systems(args.e2e_systems or DEFAULT_SYSTEMS)
@@ -213,7 +234,7 @@ def _bench(args: argparse.Namespace) -> int:
         records += run_step(args.preset, layers, args.seq, systems, step_backends, args.threads,
                             args.steps, args.gpu_cap)  # fmt: skip
     if "placement" in parts:
-        from .bench_placement import plot_placement, run_placement
+        from .bench.placement import plot_placement, run_placement  # why: placement runs only
 
         layers = [int(v) for v in args.layers.split(",")] if args.layers else [None]
         step_backends = [b for b in backends if b != "reference"] or ["auto"]
@@ -229,7 +250,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .export import convert_adapter
+    from .export import convert_adapter  # why: lazy CLI
 
     for d in convert_adapter(args.dir, args.out, split=args.split):
         print(f"wrote {d}")
@@ -237,14 +258,14 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from .export import merge_adapter
+    from .export import merge_adapter  # why: lazy CLI
 
     print(f"wrote {merge_adapter(args.dir, args.out, base=args.base)}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from . import __version__  # why: lazy CLI
 
     p = argparse.ArgumentParser(
         prog="kt-ft", description="kt-ft: MoE LoRA fine-tuning with experts on the CPU"
@@ -397,12 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .log import get_logger
-    from .settings import log_changed
+    from .log import get_logger  # why: lazy CLI
+    from .settings import log_changed  # why: lazy CLI
 
     log_changed(get_logger("kt_ft.cli"))
     if getattr(args, "command", None) == "bench" and args.threads is None:
-        from .hparams import physical_cpu_cores
+        from .hparams import physical_cpu_cores  # why: lazy CLI
 
         args.threads = physical_cpu_cores()
     try:

@@ -27,11 +27,17 @@ from typing import Any
 import torch
 
 from .errors import KTConfigError
+from .kernels import LORA_NAMES
 from .log import get_logger
 from .lora import lora_scaling
 from .models import family_of
+from .models.dispatch import register_experts_function
+from .moe.experts import KTExperts
 from .moe.patch import KTSummary, replace_routed_experts
+from .placement.auto import auto_layers
+from .placement.runtime import Replanner, auto_at_start
 from .rules import PlacementPlan, load_rules, make_plan, resolve_rule_path
+from .rules.report import TrainSizes
 
 logger = get_logger(__name__)
 
@@ -66,7 +72,7 @@ class KTConfig:
 
     @property
     def scaling(self) -> float:
-        return lora_scaling(self.rank, self.alpha, self.use_rslora)
+        return lora_scaling(rank=self.rank, alpha=self.alpha, use_rslora=self.use_rslora)
 
 
 @dataclass
@@ -88,8 +94,6 @@ class KTRun:
 
     def expert_lora(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of every expert-LoRA tensor the run added."""
-        from .kernels import LORA_NAMES
-        from .moe.experts import KTExperts
 
         for name, m in self.model.named_modules():
             if isinstance(m, KTExperts):
@@ -129,8 +133,6 @@ def apply(
     first, e.g. to share expert weights between processes); ``planned_auto``: the context of a
     ``placement: auto`` split the caller already wrote into ``plan`` (the bench plans for a model
     deeper than the one it runs). ``trainable`` False: no re-planner."""
-    from .models.dispatch import register_experts_function
-
     register_experts_function()  # "kt_ft" in transformers' ALL_EXPERTS_FUNCTIONS (models/dispatch.py)
     if plan is None:
         plan, rule_path = plan_for(model, config)
@@ -142,8 +144,6 @@ def apply(
     )
     replanner = None
     if auto is not None and trainable:
-        from .placement.runtime import Replanner
-
         # replan_steps 0: no re-planning from routing counts, only the one check of the CPU op's
         # rate after a few steps (``Replanner.calibrate``)
         replanner = Replanner(auto, config.replan_steps, config.replan_threshold)
@@ -153,12 +153,9 @@ def apply(
 def _auto_placement(model: torch.nn.Module, plan: PlacementPlan, config: KTConfig):
     """``placement: auto`` layers of the plan get their split now (``placement/runtime.py``);
     returns the context a re-planner needs, or None when the rule has no auto layer."""
-    from .placement.auto import auto_layers
 
     if not auto_layers(plan):
         return None
-    from .placement.runtime import auto_at_start
-    from .rules.report import TrainSizes
 
     started = auto_at_start(
         model,

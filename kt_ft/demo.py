@@ -14,7 +14,8 @@ import random
 from pathlib import Path
 
 from .errors import KTConfigError
-from .models import FAMILIES, UNSUPPORTED
+from .models import FAMILIES, UNSUPPORTED, family_of
+from .models.tiny import tiny_config
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -87,9 +88,6 @@ def _check_derived(model_type: str) -> None:
     """A model type without a hand-written family: kt-ft must derive one (else KTConfigError with why)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from .models import family_of
-    from .models.tiny import tiny_config
-
     if model_type not in CONFIG_MAPPING:
         raise KTConfigError(
             f"--family {model_type!r} is not a model type of this transformers; valid choices: "
@@ -135,8 +133,6 @@ def make_demo_model(
         fam = FAMILIES[family]
         config = AutoConfig.for_model(fam.demo_type, **tokens, **{**fam.demo_config, **config_overrides})
     else:  # a type derived from transformers' experts interface: its config class's defaults, shrunk
-        from .models.tiny import tiny_config
-
         config = tiny_config(family, **tokens, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

@@ -159,7 +159,11 @@ class KTArguments:
                 f"{src}: kt_backend={self.kt_backend!r} is invalid: valid choices are {', '.join(KT_BACKENDS)}"
             )
         if self.kt_optimize_rule is not None:
-            from .rules import builtin_rule_names, load_rules, resolve_rule_path
+            from .rules import (  # why: torch-free module (doc)
+                builtin_rule_names,
+                load_rules,
+                resolve_rule_path,
+            )
 
             rule_path = resolve_rule_path(self.kt_optimize_rule)
             if rule_path is None:

@@ -17,6 +17,9 @@ import json
 import os
 from pathlib import Path
 
+from .checkpoint.fused import kt_expert_modules
+from .moe.shared_weights import FILE_PREFIX
+from .processes import barrier
 from .settings import get
 
 REPORT_ENV = "KT_FT_MEMORY_REPORT"
@@ -64,8 +67,6 @@ def mappings_matching(substring: str, pid: int | str = "self") -> dict[str, int]
 
 def memory_record(expert_bytes: int) -> dict:
     """This process's memory, its shared routed-expert mapping, and the expert bytes it uses."""
-    from .moe.shared_weights import FILE_PREFIX
-
     return {
         "pid": os.getpid(),
         "rank": int(os.environ.get("RANK", 0)),
@@ -79,9 +80,6 @@ def memory_record(expert_bytes: int) -> dict:
 def memory_report(model) -> Path | None:
     """With ``KT_FT_MEMORY_REPORT=DIR``: write this rank's ``memory_record`` to DIR/rank{R}.json,
     all ranks between two barriers. Collective (every rank calls it). None when unset."""
-    from .checkpoint.fused import kt_expert_modules
-    from .distributed import barrier
-
     directory = get(REPORT_ENV)
     if not directory:
         return None

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kt_ft.bench import PRESETS, random_layer
+from kt_ft.bench.op import PRESETS, random_layer
 from kt_ft.kernels import BACKENDS
 from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
 

@@ -31,3 +31,16 @@ def saved_adapter(demo_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("adapter") / "out"
     model, ref, state = random_lora_adapter(demo_assets, out)
     return model, out, ref, state
+
+
+@pytest.fixture(scope="session")
+def one_process_run(demo_assets, tmp_path_factory):
+    """The one-process run the DDP and FSDP2 tests both compare against (micro-batch 4, 4 steps,
+    a checkpoint at step 2, gradients clipped at 0.5): trained once a session, not once a module."""
+    pytest.importorskip("llamafactory")
+    from lf_runs import SharedRun
+
+    out = tmp_path_factory.mktemp("one_process") / "one"
+    return SharedRun(
+        demo_assets, out, max_steps=4, save_steps=2, max_grad_norm=0.5, per_device_train_batch_size=4
+    )

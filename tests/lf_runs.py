@@ -136,3 +136,26 @@ def assert_close_runs(got_dir, want_dir, steps, loss_rtol=LOSS_RTOL):
         scale = b[k].double().abs().max().item()
         assert err <= rtol * scale, f"{k}: max |diff| {err:.3g} > {rtol} x max |ref| {scale:.3g}"
     assert any("fused_expert_lora" in k and k.endswith("_b") and b[k].abs().max() > 0 for k in b)
+
+
+class SharedRun:
+    """One ``start_train`` run that several test modules compare against: started by the first
+    that asks (beside its own runs, so the two overlap), trained once a session."""
+
+    def __init__(self, demo_assets: Path, out: Path, **overrides) -> None:
+        self.demo_assets, self.out, self.overrides = demo_assets, out, overrides
+        self._proc: subprocess.Popen | None = None
+        self._log: str | None = None
+
+    def start(self) -> None:
+        if self._proc is None:
+            self._proc = start_train(self.demo_assets, self.out, **self.overrides)
+
+    def wait(self) -> tuple[Path, str]:
+        """(output dir, log) once the run has finished; fails the caller if it did not train."""
+        self.start()
+        if self._log is None:
+            rc, log = finish(self._proc)
+            assert rc == 0, failure_text(log)
+            self._log = log
+        return self.out, self._log

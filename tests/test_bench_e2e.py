@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kt_ft.bench_e2e import last_half_rate, parse_systems, rate_from_log
+from kt_ft.bench.e2e import last_half_rate, parse_systems, rate_from_log
 
 
 def test_rate_from_log_uses_lf_elapsed_time_and_skips_a_step():
@@ -39,7 +39,7 @@ def test_parse_systems_names_the_valid_forms():
         parse_systems("peft,kt-fast")
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
     """peft and kt-ft (every expert on the CPU) through `llamafactory-cli train`: both finish, both
     rates come from LF's log, and the first-step losses agree (expert LoRA B starts at zero, so kt-ft's

@@ -57,7 +57,7 @@ def fused_tensors(path: Path) -> dict:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_checkpoints_hold_split_artifacts(demo_run):
     out, _ = demo_run
     E, H, I, r = 8, 64, 32, 8
@@ -91,7 +91,7 @@ def test_checkpoints_hold_split_artifacts(demo_run):
             assert t.abs().max() > 0, f"{key} is still zero: expert LoRA did not train"
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_loss_goes_down_and_logs_say_what_went_where(demo_run):
     out, log = demo_run
     losses = [
@@ -110,7 +110,7 @@ def test_loss_goes_down_and_logs_say_what_went_where(demo_run):
     assert f"trainable params: {peft_params + expert_lora:,}" in log
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_moe"])
 def test_llamafactory_cli_trains_each_family(family, tmp_path):
     """`llamafactory-cli train` on the family's demo model: 4 steps, both artifacts, expert LoRA
@@ -131,7 +131,7 @@ def test_llamafactory_cli_trains_each_family(family, tmp_path):
     assert len(losses) == 4 and all(map(math.isfinite, losses))
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_placement_auto_through_llamafactory(demo_assets, tmp_path):
     """A recipe whose rule says `placement: auto` trains through `llamafactory-cli train` (the
     planner at load, the run's re-planner and its CPU-rate check each step); on a machine without

@@ -59,3 +59,24 @@ def test_apply_names_a_missing_rule():
     model = tiny_model()
     with pytest.raises(KTConfigError, match="kt_optimize_rule='no_such_rule': no such file or built-in rule"):
         kt_ft.apply(model, kt_ft.KTConfig(rule="no_such_rule"))
+
+
+def test_easily_swapped_arguments_are_keyword_only():
+    """rank and alpha (a past bug swapped them), the planner's rank / tokens / budget, a rule's and
+    a summary's many fields: by name only."""
+    from kt_ft.lora import lora_scaling
+    from kt_ft.moe.patch import KTSummary
+    from kt_ft.placement.cost import Rates
+    from kt_ft.placement.planner import choose_splits
+    from kt_ft.rules import Rule
+
+    assert lora_scaling(rank=8, alpha=16) == 2.0
+    assert lora_scaling(rank=4, alpha=8, use_rslora=True) == 4.0
+    for call in (
+        lambda: lora_scaling(8, 16),
+        lambda: choose_splits([], Rates(cpu_flops=1.0), 8, 64, None),
+        lambda: Rule(0, "x.yaml:1", None, None, "cpu", None, None, True),
+        lambda: KTSummary([0], 8, "torch", "", 1, 0, 0, torch.device("cpu")),
+    ):
+        with pytest.raises(TypeError):
+            call()

@@ -26,8 +26,8 @@ import pytest
 import torch
 from lf_runs import assert_close_runs, failure_text, finish, start_train, torchrun_env
 
-from kt_ft.distributed import Topology, threads_per_rank
 from kt_ft.moe.shared_weights import ALIGN, layout
+from kt_ft.processes import Topology, threads_per_rank
 
 
 def test_cpu_infer_is_split_between_local_ranks():
@@ -45,13 +45,15 @@ def test_shared_file_layout_is_page_aligned():
 
 
 @pytest.fixture(scope="module")
-def runs(demo_assets, tmp_path_factory):
+def runs(demo_assets, tmp_path_factory, one_process_run):
     pytest.importorskip("llamafactory")
     root = tmp_path_factory.mktemp("ddp")
-    common = {"max_steps": 4, "save_steps": 2}
+    # clipped as the FSDP2 runs: both compare against the session's one one-process run
+    common = {"max_steps": 4, "save_steps": 2, "max_grad_norm": 0.5}
     two = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2, "env": torchrun_env(2)}
     one = {"per_device_train_batch_size": 4}
     report = root / "memory"
+    one_process_run.start()  # "one": trains beside "two"
     wave1 = {
         "two": start_train(
             demo_assets,
@@ -59,12 +61,13 @@ def runs(demo_assets, tmp_path_factory):
             **common,
             **{**two, "env": {**two["env"], "KT_FT_MEMORY_REPORT": report}},
         ),
-        "one": start_train(demo_assets, root / "one", **common, **one),
     }
     logs = {}
     for name, proc in wave1.items():
         rc, logs[name] = finish(proc)
         assert rc == 0, failure_text(logs[name])
+    one_dir, logs["one"] = one_process_run.wait()
+    (root / "one").symlink_to(one_dir)
     wave2 = {
         "two_to_one": start_train(
             demo_assets,
@@ -87,7 +90,7 @@ def runs(demo_assets, tmp_path_factory):
     return root, logs
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_two_processes_match_one_with_the_same_global_batch(runs):
     root, logs = runs
     assert "data parallel: rank 0 of 2 (2 on this machine)" in logs["two"], logs["two"][-3000:]
@@ -98,7 +101,7 @@ def test_two_processes_match_one_with_the_same_global_batch(runs):
     assert_close_runs(root / "two", root / "one", [1, 2, 3, 4])
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 @pytest.mark.parametrize("name,reference", [("two_to_one", "one"), ("one_to_two", "one")])
 def test_resume_with_another_process_count(runs, name, reference):
     root, logs = runs
@@ -106,7 +109,7 @@ def test_resume_with_another_process_count(runs, name, reference):
     assert_close_runs(root / name, root / reference, [1, 2, 3, 4])  # 1-2 from the checkpoint's history
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_checkpoint_written_once_and_not_sharded(runs):
     """Rank 0 writes one optimizer.pt holding the AdamW state of every trainable parameter,
     the expert LoRA whole ([E, r, H] ...); each rank its own rng_state; the manifest lists all."""
@@ -124,7 +127,7 @@ def test_checkpoint_written_once_and_not_sharded(runs):
     assert (8, 8, 64) in shapes and (8, 32, 8) in shapes  # gate A [E, r, H], gate B [E, I, r]
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_expert_weights_are_one_copy_per_machine(runs):
     """Each rank maps the shared expert file whole; summed over the ranks, its PSS (each page
     divided by the processes mapping it) is one copy: within 5% + 8 KiB (PSS is reported
@@ -141,7 +144,7 @@ def test_expert_weights_are_one_copy_per_machine(runs):
     assert abs(pss - expert_bytes) <= 0.05 * expert_bytes + 8192, (pss, expert_bytes)
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,

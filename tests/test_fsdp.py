@@ -170,7 +170,7 @@ def test_fsdp_helpers_match_one_process():
 
 
 @pytest.fixture(scope="module")
-def runs(demo_assets, tmp_path_factory):
+def runs(demo_assets, tmp_path_factory, one_process_run):
     pytest.importorskip("llamafactory")
     root = tmp_path_factory.mktemp("fsdp")
     recipe = fsdp2_recipe(root / "fsdp2.yaml")
@@ -180,15 +180,17 @@ def runs(demo_assets, tmp_path_factory):
     report = root / "memory"
     env = fsdp_env(2)
     logs = {}
+    one_process_run.start()  # "one": trains beside "fsdp2"
     wave1 = {
         "fsdp2": start_train(
             demo_assets, root / "fsdp2", **common, **fsdp2, env={**env, "KT_FT_MEMORY_REPORT": report}
         ),
-        "one": start_train(demo_assets, root / "one", **common, **one),
     }
     for name, proc in wave1.items():
         rc, logs[name] = finish(proc)
         assert rc == 0, failure_text(logs[name])
+    one_dir, logs["one"] = one_process_run.wait()
+    (root / "one").symlink_to(one_dir)
     ckpt = root / "fsdp2" / "checkpoint-2"
     wave2 = {
         "fsdp2_resume": start_train(
@@ -211,7 +213,7 @@ def runs(demo_assets, tmp_path_factory):
     return root, logs
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_fsdp2_matches_one_process_with_the_same_global_batch(runs):
     root, logs = runs
     log = logs["fsdp2"]
@@ -227,7 +229,7 @@ def test_fsdp2_matches_one_process_with_the_same_global_batch(runs):
     assert_close_runs(root / "fsdp2", root / "one", [1, 2, 3, 4])
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 @pytest.mark.parametrize("name", ["fsdp2_resume", "fsdp2_to_one"])
 def test_fsdp2_checkpoint_resumes(runs, name):
     root, logs = runs
@@ -238,7 +240,7 @@ def test_fsdp2_checkpoint_resumes(runs, name):
     assert_close_runs(root / name, root / "one", [1, 2, 3, 4])  # steps 1-2 from the checkpoint's history
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_fsdp2_checkpoint_has_kt_ft_layout(runs):
     """Rank 0 writes the usual kt-ft files (whole tensors), not FSDP's distributed-checkpoint dirs."""
     from safetensors.torch import load_file
@@ -267,7 +269,7 @@ def test_fsdp2_checkpoint_has_kt_ft_layout(runs):
     }
 
 
-@pytest.mark.slow
+@pytest.mark.lf_subprocess
 def test_fsdp2_keeps_one_expert_copy_per_machine(runs):
     """FSDP2 neither moves nor copies the experts: summed over the ranks, the shared mapping's
     PSS is one copy (within 5% + 8 KiB, as in test_distributed)."""

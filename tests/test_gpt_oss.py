@@ -85,7 +85,16 @@ def test_kt_reads_gpt_oss_experts_as_transformers_computes_them(rng):
 
     base = ExpertWeights(hf.gate_up_proj, hf.down_proj, hf.gate_up_proj_bias, hf.down_proj_bias, spec=spec)
     torch.testing.assert_close(reference_moe(x, ids, w, base, lora, s), want, rtol=1e-10, atol=1e-10)
-    kt = KTExperts(hf, 0, 4, s, BACKENDS["torch"](), chunk_size=16, threads=None, spec=spec)
+    kt = KTExperts(
+        hf,
+        layer_idx=0,
+        rank=4,
+        scaling=s,
+        backend=BACKENDS["torch"](),
+        chunk_size=16,
+        threads=None,
+        spec=spec,
+    )
     with torch.no_grad():
         for name, tensor in zip(lora._fields, lora):
             getattr(kt, name).data = tensor.clone()

@@ -85,7 +85,7 @@ def test_torch_backend_lora_groups(monkeypatch, rng):
     """The rank-sized LoRA products as one bmm per group of experts with equal padded rows
     (``kernels/grouped.py``) give what one product per expert gives (``KT_FT_LORA_BMM=0``), fp32
     within 1e-6 of the largest entry; the skewed case really has several groups."""
-    from kt_ft.kernels.grouped import _route_layout
+    from kt_ft.kernels.grouped_layout import _route_layout
 
     c = CASES["skewed"]
     base, lora, x, ids, w, gy = make_problem(

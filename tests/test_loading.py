@@ -157,7 +157,7 @@ def test_streamed_experts_equal_transformers_loading_bitwise(family, tmp_path):
     read as fp32 (byte copy) and as bf16 (one-expert buffer + cast). Every other tensor too."""
     from transformers import AutoModelForCausalLM
 
-    from kt_ft.moe.loading import load_planned, plan_expert_stream, planned_device_map
+    from kt_ft.moe.loading import load_planned, plan_expert_reader, planned_device_map
 
     fam = FAMILIES[family]
     tiny_model(family).save_pretrained(tmp_path)
@@ -165,7 +165,7 @@ def test_streamed_experts_equal_transformers_loading_bitwise(family, tmp_path):
         ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype, device_map={"": "cpu"})
         rules = load_rules(resolve_rule_path(fam.builtin_rule))
         dm, plan = planned_device_map(ref.config, rules, fam, "auto", 1, "cpu")
-        assert plan_expert_stream(tmp_path, ref.config, [e.name for e in plan.experts]) is not None
+        assert plan_expert_reader(tmp_path, ref.config, [e.name for e in plan.experts]) is not None
         got = load_planned(tmp_path, dm, plan, dtype=dtype)
         want, have = dict(ref.named_parameters()), dict(got.named_parameters())
         assert want.keys() == have.keys()

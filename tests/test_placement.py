@@ -98,7 +98,7 @@ def layers(n, popularity=None):
 
 
 def test_big_cap_puts_everything_resident():
-    c = choose_splits(layers(8), FAST, 0, T, budget_bytes=ACT + 32 * B)
+    c = choose_splits(layers(8), FAST, rank=0, tokens=T, budget_bytes=ACT + 32 * B)
     assert all(s == LayerSplit((0, 1, 2, 3), ()) for s in c.splits)
     assert c.prediction.step_s == pytest.approx(8 * 20 * 1e-6)
     assert c.prediction.bottleneck == "gpu"
@@ -108,7 +108,7 @@ def test_cpu_bound_machine_streams():
     # 8 streaming layers cross the link 2 - 4/8 = 1.5 times a step (the buffers' reuses at the turn
     # and the step's start): a streamed expert 0.75 s. Budget for 8 experts: S=4 buffers (all
     # streamed, 8 x 3 s = 24 s) beats S=3, S=2, S=1 and S=0 (8 resident, 6 CPU layers x 20 = 120 s)
-    c = choose_splits(layers(8), FAST, 0, T, budget_bytes=ACT + 8 * B)
+    c = choose_splits(layers(8), FAST, rank=0, tokens=T, budget_bytes=ACT + 8 * B)
     assert all(s == LayerSplit((), (0, 1, 2, 3)) for s in c.splits)
     assert c.prediction.step_s == pytest.approx(24)
     assert c.prediction.bottleneck == "link"
@@ -119,7 +119,7 @@ def test_slow_link_streams_nothing():
     # link 1,000 B/s: a streamed expert costs 60 s; S=0 (layers 0 and 1 resident, 6 CPU layers)
     # beats S=1 and every larger S
     slow = Rates(cpu_flops=60_000, link_bytes_s=1_000, gpu_flops=9e10)
-    c = choose_splits(layers(8), slow, 0, T, budget_bytes=ACT + 8 * B)
+    c = choose_splits(layers(8), slow, rank=0, tokens=T, budget_bytes=ACT + 8 * B)
     assert [s.streamed for s in c.splits] == [()] * 8
     assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 2 + [()] * 6
     # 6 CPU layers: 20 s of CPU op, then its activations over the slow link, 8,000 B (not overlapped)
@@ -128,33 +128,33 @@ def test_slow_link_streams_nothing():
 
 def test_no_room_or_no_gpu_means_all_cpu():
     for budget in (None, 0, ACT + B - 1):
-        c = choose_splits(layers(3), FAST, 0, T, budget_bytes=budget)
+        c = choose_splits(layers(3), FAST, rank=0, tokens=T, budget_bytes=budget)
         assert c.splits == [LayerSplit()] * 3
-    c = choose_splits(layers(3), Rates(cpu_flops=60_000), 0, T, budget_bytes=10**12)
+    c = choose_splits(layers(3), Rates(cpu_flops=60_000), rank=0, tokens=T, budget_bytes=10**12)
     assert c.splits == [LayerSplit()] * 3 and "no link / GPU rate" in c.notes[0]
     assert c.prediction.step_s == pytest.approx(3 * 20)
 
 
 def test_most_popular_expert_goes_resident():
     # pairs [2, 10, 6, 2]: room for one resident (no stream buffers: 2 x B > what is left)
-    c = choose_splits(layers(1, [1, 5, 3, 1]), FAST, 0, T, budget_bytes=ACT + B)
+    c = choose_splits(layers(1, [1, 5, 3, 1]), FAST, rank=0, tokens=T, budget_bytes=ACT + B)
     assert c.splits == [LayerSplit((1,), ())]
     assert c.prediction.layers[0].cpu_s == pytest.approx(10)
     # across layers: the layer whose next expert has more pairs goes first
     ins = [PlannerInput(0, SHAPE, [1, 1, 1, 1]), PlannerInput(1, SHAPE, [1, 5, 3, 1])]
-    c = choose_splits(ins, FAST, 0, T, budget_bytes=ACT + 2 * B, allow_stream=False)
+    c = choose_splits(ins, FAST, rank=0, tokens=T, budget_bytes=ACT + 2 * B, allow_stream=False)
     assert c.splits == [LayerSplit(), LayerSplit((1, 2), ())]
 
 
 def test_without_streaming_resident_only():
-    c = choose_splits(layers(8), FAST, 0, T, budget_bytes=ACT + 8 * B, allow_stream=False)
+    c = choose_splits(layers(8), FAST, rank=0, tokens=T, budget_bytes=ACT + 8 * B, allow_stream=False)
     assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 2 + [()] * 6
     assert all(not s.streamed for s in c.splits)
 
 
 def test_deterministic():
-    a = choose_splits(layers(5, [3, 1, 4, 1]), FAST, 0, T, budget_bytes=ACT + 6 * B)
-    b = choose_splits(layers(5, [3, 1, 4, 1]), FAST, 0, T, budget_bytes=ACT + 6 * B)
+    a = choose_splits(layers(5, [3, 1, 4, 1]), FAST, rank=0, tokens=T, budget_bytes=ACT + 6 * B)
+    b = choose_splits(layers(5, [3, 1, 4, 1]), FAST, rank=0, tokens=T, budget_bytes=ACT + 6 * B)
     assert a.splits == b.splits
 
 
@@ -163,14 +163,15 @@ def test_layer_scale_counts_resident_weights_per_real_layer():
     # 8 resident experts that fit are 2 real layers' worth, half of one benchmarked layer (2 experts
     # x 4); the stream buffers would not scale (test_cpu_bound_machine_streams, scale 1 vs 4: same)
     slow = Rates(cpu_flops=60_000, link_bytes_s=1_000, gpu_flops=9e10)
-    c = choose_splits(layers(2), slow, 0, T, budget_bytes=ACT + 8 * B, layer_scale=4)
+    c = choose_splits(layers(2), slow, rank=0, tokens=T, budget_bytes=ACT + 8 * B, layer_scale=4)
     assert [s.resident for s in c.splits] == [(0, 1), ()] and not any(s.streamed for s in c.splits)
     # a fast link: unscaled, both layers fit resident; scaled, streaming both (buffers 8 B, once)
     # beats 2 resident experts (layer 0: 2 CPU experts, 10 s; layer 1: 20 s): planned for the 8
     # real layers' 1.5 passes, 2 x 3 s = 6 s. The prediction is the 2 benchmarked layers' own: the
     # two buffers hold both, nothing crosses after the first step, the GPU's 40 pairs are left
     one, four = (
-        choose_splits(layers(2), FAST, 0, T, budget_bytes=ACT + 8 * B, layer_scale=s) for s in (1, 4)
+        choose_splits(layers(2), FAST, rank=0, tokens=T, budget_bytes=ACT + 8 * B, layer_scale=s)
+        for s in (1, 4)
     )
     assert one.splits == [LayerSplit((0, 1, 2, 3), ())] * 2
     assert four.splits == [LayerSplit((), (0, 1, 2, 3))] * 2
@@ -183,18 +184,18 @@ def test_layers_with_gpu_experts_count_their_expert_lora_state():
     # that holds all 32 experts without it holds 25 with it: 6 whole layers and 1 expert of layer
     # 6, 7 layers' LoRA (25·B + 7·28,800 <= 32·B; 26 experts would not fit), layer 7 all on the CPU
     kw = dict(budget_bytes=ACT + 32 * B, allow_stream=False)
-    assert choose_splits(layers(8), FAST, 1, T, **kw).splits == [LayerSplit((0, 1, 2, 3), ())] * 8
-    c = choose_splits(layers(8), FAST, 1, T, lora_state_bytes=16, **kw)
+    assert choose_splits(layers(8), FAST, rank=1, tokens=T, **kw).splits == [LayerSplit((0, 1, 2, 3), ())] * 8
+    c = choose_splits(layers(8), FAST, rank=1, tokens=T, lora_state_bytes=16, **kw)
     assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 6 + [(0,), ()]
     # streaming: streamed experts move the LoRA too; with no room for it beside the buffers the
     # planner keeps the experts on the CPU instead of overrunning the budget
-    tight = choose_splits(layers(2), FAST, 1, T, budget_bytes=ACT + 8 * B, lora_state_bytes=10**6)
+    tight = choose_splits(layers(2), FAST, rank=1, tokens=T, budget_bytes=ACT + 8 * B, lora_state_bytes=10**6)
     assert tight.splits == [LayerSplit()] * 2
     # a re-plan: the LoRA stays where the run put it, counted whatever the split. All 8 layers'
     # LoRA on the GPU leaves 32·B - 8·28,800 for 24 resident experts; none there: all 32 fit
-    c = choose_splits(layers(8), FAST, 1, T, lora_state_bytes=16, lora_fixed=[True] * 8, **kw)
+    c = choose_splits(layers(8), FAST, rank=1, tokens=T, lora_state_bytes=16, lora_fixed=[True] * 8, **kw)
     assert sum(len(s.resident) for s in c.splits) == 24
-    c = choose_splits(layers(8), FAST, 1, T, lora_state_bytes=16, lora_fixed=[False] * 8, **kw)
+    c = choose_splits(layers(8), FAST, rank=1, tokens=T, lora_state_bytes=16, lora_fixed=[False] * 8, **kw)
     assert c.splits == [LayerSplit((0, 1, 2, 3), ())] * 8
 
 
@@ -206,7 +207,7 @@ def test_resident_layers_are_spread_through_the_depth(monkeypatch):
 
     def plan(extra, spread, ins=None):
         monkeypatch.setenv("KT_FT_SPREAD_RESIDENT", "1" if spread else "0")
-        return choose_splits(ins or layers(12), FAST, 0, T, budget_bytes=ACT + extra * B)
+        return choose_splits(ins or layers(12), FAST, rank=0, tokens=T, budget_bytes=ACT + extra * B)
 
     full, part, streamed = (
         LayerSplit((0, 1, 2, 3), ()),
@@ -230,5 +231,5 @@ def test_resident_layers_are_spread_through_the_depth(monkeypatch):
     assert a.splits[0] == b.splits[0] and a.prediction.step_s == pytest.approx(b.prediction.step_s)
     # no streaming (resident + CPU): nothing to overlap, the first-layers order stays
     monkeypatch.setenv("KT_FT_SPREAD_RESIDENT", "1")
-    c = choose_splits(layers(8), FAST, 0, T, budget_bytes=ACT + 8 * B, allow_stream=False)
+    c = choose_splits(layers(8), FAST, rank=0, tokens=T, budget_bytes=ACT + 8 * B, allow_stream=False)
     assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 2 + [()] * 6

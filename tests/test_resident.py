@@ -23,7 +23,7 @@ from kt_ft.kernels.reference import ReferenceBackend
 from kt_ft.models import FAMILIES
 from kt_ft.moe.experts import KTExperts
 from kt_ft.moe.patch import replace_routed_experts
-from kt_ft.moe.resident import pick_resident_ids
+from kt_ft.placement.homes import pick_resident_ids
 from kt_ft.rules import load_rules, make_plan, resolve_rule_path
 
 RANK, ALPHA = 4, 8
@@ -174,7 +174,7 @@ def test_resident_experts_train_like_all_cpu(gpu_rule, gc):
 
 @pytest.mark.parametrize("split", ["every", "mixed"])
 def test_lora_on_the_device_trains_like_all_cpu(gpu_rule, tmp_path, monkeypatch, split):
-    """Expert LoRA living on the training device (``moe/patch.py`` ``lora_home``; the "device" is
+    """Expert LoRA living on the training device (``placement/homes.py`` ``lora_home``; the "device" is
     the CPU here, forced): with every expert on the device the LoRA rows are used in place (no
     copy, no host mirror); with CPU experts too (``mixed``) the CPU op reads a host mirror
     refreshed once per step (the recompute reuses it). Both train like all-CPU, with
@@ -230,7 +230,7 @@ def test_lora_gradients_return_for_the_cpu_experts_rows_only(gpu_rule, monkeypat
 
 
 def test_lora_home_is_the_gpu_only_for_layers_with_gpu_experts_in_one_process(monkeypatch):
-    from kt_ft.moe.patch import lora_home
+    from kt_ft.placement.homes import lora_home
 
     cuda = torch.device("cuda", 0)
     assert lora_home(cuda, True) == cuda
@@ -297,8 +297,8 @@ def test_routing_weights_get_gradients_from_both_parts(family):
     spec = expert_spec(FAMILIES[family], hf)
     mods = [
         KTExperts(
-            hf, 0, RANK, 2.0, GroupedTorchBackend(), 4096, None, torch.float64, torch.Generator().manual_seed(1),
-            spec=spec, resident_ids=ids,
+            hf, layer_idx=0, rank=RANK, scaling=2.0, backend=GroupedTorchBackend(), chunk_size=4096, threads=None,
+            lora_dtype=torch.float64, generator=torch.Generator().manual_seed(1), spec=spec, resident_ids=ids,
         )
         for ids in ((), (2, 5))
     ]  # fmt: skip
@@ -511,7 +511,17 @@ def test_device_share_graphs_are_released_by_their_backward(ids):
     hf = tiny_model().model.layers[0].mlp.experts
     gen = torch.Generator().manual_seed(1)
     mods = [
-        KTExperts(hf, i, 4, 2.0, GroupedTorchBackend(), 4096, None, generator=gen, resident_ids=ids)
+        KTExperts(
+            hf,
+            layer_idx=i,
+            rank=4,
+            scaling=2.0,
+            backend=GroupedTorchBackend(),
+            chunk_size=4096,
+            threads=None,
+            generator=gen,
+            resident_ids=ids,
+        )
         for i in (0, 1)
     ]
     x = torch.randn(9, 64, requires_grad=True)

@@ -17,7 +17,7 @@ import torch
 from lf_runs import MANIFEST, adapter_tensors, finish, kill_when_complete, start_train, step_losses
 
 pytest.importorskip("llamafactory")
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.lf_subprocess
 
 GA = (1, 2)
 

@@ -109,7 +109,7 @@ def test_plan_shows_gpu_experts_and_layer_split(model_dirs, tmp_path, capsys):
     assert r["devices"]["cuda:0"]["param_bytes"] == (2 * V * H + PER_LAYER + H) * 4 + 2 * per_expert
     assert r["devices"]["cuda:1"]["param_bytes"] == PER_LAYER * 4
     # layer 1 has GPU experts: its expert LoRA (and AdamW state) counts on the training GPU,
-    # layer 0's stays on the CPU (moe/patch.py lora_home)
+    # layer 0's stays on the CPU (placement/homes.py lora_home)
     half = EXPERT_LORA // L
     assert r["devices"]["cpu"]["lora_params"] == half
     assert (

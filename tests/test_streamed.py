@@ -28,8 +28,8 @@ from kt_ft.errors import KTConfigError
 from kt_ft.hparams import default_cpu_infer
 from kt_ft.models import FAMILIES
 from kt_ft.moe.experts import KTExperts
-from kt_ft.moe.resident import pick_stream_ids
 from kt_ft.moe.streamed import StreamScheduler, is_page_locked
+from kt_ft.placement.homes import pick_stream_ids
 from kt_ft.rules import load_rules, make_plan, resolve_rule_path
 
 LAYERS = 4  # MoE layers of the qwen3_moe model here: enough for the buffers to rotate and evict
@@ -190,8 +190,8 @@ def test_saved_weights_come_back_after_eviction():
         sched = StreamScheduler(num_slots=1)
         mods = [
             KTExperts(
-                h, i, 4, 2.0, GroupedTorchBackend(), 4096, None, torch.float64, torch.Generator().manual_seed(i),
-                stream_ids=(1, 2, 5, 6) if stream else (), scheduler=sched,
+                h, layer_idx=i, rank=4, scaling=2.0, backend=GroupedTorchBackend(), chunk_size=4096, threads=None,
+                lora_dtype=torch.float64, generator=torch.Generator().manual_seed(i), stream_ids=(1, 2, 5, 6) if stream else (), scheduler=sched,
             )
             for i, h in enumerate(hf)
         ]  # fmt: skip
@@ -374,7 +374,8 @@ def test_streamed_equals_resident_on_cuda():
     hf = tiny_model().model.layers[0].mlp.experts
     ids = (1, 2, 5)
     mods = [
-        KTExperts(hf, 0, 4, 2.0, GroupedTorchBackend(), 4096, None, generator=torch.Generator().manual_seed(1), **kw)
+        KTExperts(hf, layer_idx=0, rank=4, scaling=2.0, backend=GroupedTorchBackend(), chunk_size=4096, threads=None,
+                  generator=torch.Generator().manual_seed(1), **kw)
         for kw in ({"resident_ids": ids}, {"stream_ids": ids})
     ]  # fmt: skip
     x = torch.randn(17, 64, device="cuda")

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import KTConfigError
 from ..kernels.base import LORA_NAMES
+from ..moe.experts import KTExperts
 from .atomic import atomic_path
 
 FUSED_FILE = "fused_expert_lora.safetensors"
@@ -35,8 +36,6 @@ def fused_key(layer: int, name: str) -> str:
 
 
 def kt_expert_modules(model) -> list:
-    from ..moe.experts import KTExperts
-
     return [m for m in model.modules() if isinstance(m, KTExperts)]
 
 

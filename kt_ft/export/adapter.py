@@ -38,7 +38,7 @@ class KTAdapter:
 
     @property
     def scaling(self) -> float:
-        return lora_scaling(self.info.rank, self.info.alpha, self.info.use_rslora)
+        return lora_scaling(rank=self.info.rank, alpha=self.info.alpha, use_rslora=self.info.use_rslora)
 
     def expert_lora(self, layer: int, proj: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(A [E, r, in], B [E, out, r]) of ``proj`` in gate, up, down."""

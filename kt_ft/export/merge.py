@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from ..checkpoint.atomic import atomic_path, sha256_file
 from ..errors import KTConfigError
+from ..models import FAMILIES
 from .adapter import PEFT_PREFIX, PROJ, KTAdapter, read_kt_adapter
 
 Delta = Callable[[], torch.Tensor]  # computed lazily, when its shard is written
@@ -98,8 +99,6 @@ def _expert_deltas(adapter: KTAdapter, names: set[str], layout: str = "fused_sil
 
 def _expert_layout(config: Path) -> str:
     """The expert layout of the base's family (config.json's model_type), default fused_silu."""
-    from ..models import FAMILIES
-
     model_type = json.loads(config.read_text()).get("model_type")
     family = next((f for f in FAMILIES.values() if model_type in f.model_types), None)
     return family.expert_layout if family is not None else "fused_silu"

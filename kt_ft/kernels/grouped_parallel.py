@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .base import ExpertWeights
-from .grouped import GroupedTorchBackend, _Group, _Layout
+from .grouped import GroupedTorchBackend
+from .grouped_layout import _Group, _Layout
 
 
 def balance(counts: list[int], workers: int) -> list[list[int]]:

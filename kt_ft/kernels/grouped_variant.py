@@ -28,7 +28,7 @@ import torch
 
 from .activation import gated_act, gated_act_backward
 from .base import ExpertWeights, LoraTensors, accum_dtype
-from .grouped import _expert_slices, _route, _zero_null_rows
+from .grouped_layout import _expert_slices, _route, _zero_null_rows
 
 
 @dataclass

@@ -20,12 +20,18 @@ from ..checkpoint import (
 )
 from ..checkpoint.manifest import CHECKPOINT_DIR
 from ..core import KTConfig, apply, plan_for, resolve_rule
-from ..distributed import setup_data_parallel, threads_per_rank, topology
+from ..distributed import setup_data_parallel
 from ..errors import KTConfigError
+from ..hparams import recipe_source
 from ..log import fmt_bytes, get_logger
 from ..models import family_of
+from ..moe.loading import plan_expert_reader, planned_device_map
 from ..moe.shared_weights import meta_device_map, share_expert_weights, sharing_enabled
+from ..processes import threads_per_rank, topology
 from ..rules import load_rules
+from ..rules.report import TrainSizes, check_gpu_cap
+from ..rules.skeleton import meta_model
+from ..settings import log_changed
 
 logger = get_logger(__name__)
 
@@ -47,7 +53,6 @@ def _rss_bytes() -> float:
 def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
     """Before any weight is read: plan on a meta skeleton (rule errors stop here), and with CUDA
     load the routed experts straight into CPU RAM and the rest straight to the training GPU."""
-    from ..moe.loading import plan_expert_stream, planned_device_map
 
     family = family_of(config)
     current = init_kwargs.get("device_map")
@@ -68,15 +73,15 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
         init_kwargs["device_map"] = meta_device_map(device_map, expert_names)
         logger.info(f"local rank {topo.local_rank}: routed experts not read here (shared from local rank 0)")
         return
-    stream = plan_expert_stream(model_args.model_name_or_path, config, expert_names) if single else None
-    if stream is not None:
-        # transformers loads the rest; kt-ft reads the experts right after (fill_streamed_experts)
-        init_kwargs["device_map"] = stream.device_map(device_map)
-        model_args._kt_ft_expert_stream = stream
+    reader = plan_expert_reader(model_args.model_name_or_path, config, expert_names) if single else None
+    if reader is not None:
+        # transformers loads the rest; kt-ft reads the experts right after (fill_read_experts)
+        init_kwargs["device_map"] = reader.device_map(device_map)
+        model_args._kt_ft_expert_reader = reader
         # several ranks here: local rank 0 reads them straight into the shared mapping (attach_kt)
-        model_args._kt_ft_stream_shared = sharing
+        model_args._kt_ft_read_shared = sharing
         logger.info(
-            f"loading {len(expert_names)} routed-experts modules ({fmt_bytes(stream.nbytes)} in the files) "
+            f"loading {len(expert_names)} routed-experts modules ({fmt_bytes(reader.nbytes)} in the files) "
             f"straight from the files into CPU RAM, the rest to {training_device}"
         )
     elif single and torch.cuda.is_available() and torch.device(training_device).type == "cuda":
@@ -89,9 +94,6 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
 def _check_gpu_cap(config: Any, plan: Any, model_args: Any, cap_gib: float) -> None:
     """``kt_gpu_memory`` too small for the run even with every auto-placed expert on the CPU: stop
     before any weight is read (``rules/report.py`` ``check_gpu_cap``)."""
-    from ..hparams import recipe_source
-    from ..rules.report import TrainSizes, check_gpu_cap
-    from ..rules.skeleton import meta_model
 
     sizes = TrainSizes(*_micro_batch(model_args), getattr(model_args, "_kt_ft_lora_rank", 8))
     check_gpu_cap(meta_model(config, torch.bfloat16), plan, torch.bfloat16, sizes, cap_gib, recipe_source())
@@ -103,34 +105,33 @@ def _micro_batch(model_args: Any) -> tuple[int, int]:
     return getattr(model_args, "_kt_ft_micro_batch", None) or (model_args.model_max_length or 2048, 1)
 
 
-def take_expert_stream(model_args: Any):
-    """The ExpertStream ``plan_loading`` left to fill (routed experts on ``meta``), once; else None."""
-    stream = getattr(model_args, "_kt_ft_expert_stream", None)
-    model_args._kt_ft_expert_stream = None
-    return stream
+def take_expert_reader(model_args: Any):
+    """The ExpertReader ``plan_loading`` left to fill (routed experts on ``meta``), once; else None."""
+    reader = getattr(model_args, "_kt_ft_expert_reader", None)
+    model_args._kt_ft_expert_reader = None
+    return reader
 
 
-def fill_streamed_experts(model: Any, model_args: Any) -> None:
+def fill_read_experts(model: Any, model_args: Any) -> None:
     """Read the routed experts that ``plan_loading`` kept out of ``from_pretrained`` (on ``meta``)
     into private CPU memory; once. Not where the experts go to a shared mapping (``attach_kt``)."""
-    if getattr(model_args, "_kt_ft_stream_shared", False):
+    if getattr(model_args, "_kt_ft_read_shared", False):
         return
-    stream = take_expert_stream(model_args)
-    if stream is not None:
-        stream.fill(model)
+    reader = take_expert_reader(model_args)
+    if reader is not None:
+        reader.fill(model)
 
 
 def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: bool) -> None:
     """Replace routed experts by kt-ft's CPU experts (with expert LoRA) and hook saving."""
-    from ..settings import log_changed
 
     log_changed(logger)  # environment switches set to other than their default, once a process
     topo = topology()
     share = topo.local_world_size > 1 and topo.distributed and sharing_enabled(topo.local_world_size)
     if not share:  # experts still on meta (normally filled before LLaMA-Factory's patch_model)
-        stream = take_expert_stream(model_args)
-        if stream is not None:
-            stream.fill(model)
+        reader = take_expert_reader(model_args)
+        if reader is not None:
+            reader.fill(model)
     threads = threads_per_rank(model_args.cpu_infer, topo)
     adapters = model_args.adapter_name_or_path or []
     if len(adapters) > 1:
@@ -169,8 +170,8 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
             f"{threads} expert threads per rank"
         )
         if share:
-            stream = take_expert_stream(model_args)
-            fill = _fill_under_peft(model, stream) if stream is not None else None
+            reader = take_expert_reader(model_args)
+            fill = _fill_under_peft(model, reader) if reader is not None else None
             share_expert_weights(model, [e.name for e in plan.experts], topo.local_rank, fill=fill)
     run = apply(model, config, plan=plan, trainable=is_trainable)
     summary = run.summary
@@ -219,15 +220,15 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
         logger.info(f"GPU memory allocated now: {fmt_bytes(torch.cuda.memory_allocated())}")
 
 
-def _fill_under_peft(model: Any, stream: Any):
-    """``stream.fill`` for the model inside PEFT's wrapper (the stream's names are the loaded
+def _fill_under_peft(model: Any, reader: Any):
+    """``reader.fill`` for the model inside PEFT's wrapper (the reader's names are the loaded
     model's), taking an allocator that expects the wrapper's names (the shared file's slots)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = next(n for n, m in model.named_modules() if m is base)
     prefix = f"{inner}." if inner else ""
 
     def fill(allocate):
-        return stream.fill(base, lambda name, shape, dtype: allocate(prefix + name, shape, dtype))
+        return reader.fill(base, lambda name, shape, dtype: allocate(prefix + name, shape, dtype))
 
     return fill
 

@@ -162,7 +162,7 @@ def patch_loader_module(loader: ModuleType) -> None:
         check_kt_run(model_args, finetuning_args)
         with fork_path_hidden(model_args):
             model = original_init_adapter(config, model, model_args, finetuning_args, is_trainable)
-        from .model import attach_kt
+        from .model import attach_kt  # why: LF imports this hook module; torch and the model code load on use
 
         attach_kt(model, model_args, finetuning_args, is_trainable)
         return model
@@ -174,7 +174,7 @@ def patch_loader_module(loader: ModuleType) -> None:
             return original_patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
         with gpt_oss_attention(sys.modules[original_patch_config.__module__], config):
             original_patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
-        from .model import plan_loading
+        from .model import plan_loading  # why: as attach_kt above
 
         plan_loading(config, model_args, init_kwargs)
 
@@ -182,10 +182,10 @@ def patch_loader_module(loader: ModuleType) -> None:
 
     def patch_model(model, tokenizer, model_args, *args, **kwargs):
         if getattr(model_args, "use_kt", False):
-            from .model import fill_streamed_experts
+            from .model import fill_read_experts  # why: as attach_kt above
 
             # right after from_pretrained, before LLaMA-Factory touches the parameters
-            fill_streamed_experts(model, model_args)
+            fill_read_experts(model, model_args)
         return original_patch_model(model, tokenizer, model_args, *args, **kwargs)
 
     loader.init_adapter = init_adapter

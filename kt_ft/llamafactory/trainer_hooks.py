@@ -24,11 +24,12 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..checkpoint.manifest import write_manifest
-from ..distributed import barrier
 from ..log import get_logger
 from ..memory import memory_report
+from ..processes import barrier
 from ..run_stats import run_summary
 from .fsdp_trainer import patch_trainer_for_fsdp2
+from .profile import profiler_from_env
 
 logger = get_logger(__name__)
 
@@ -116,8 +117,6 @@ def patch_tuner_module(tuner: ModuleType) -> None:
     original = tuner._training_function
 
     def _training_function(config: dict[str, Any]) -> None:
-        from .profile import profiler_from_env
-
         profiler = profiler_from_env()  # KT_FT_PROFILE: one optimizer step under torch.profiler
         callbacks = [
             *(config.get("callbacks") or []),

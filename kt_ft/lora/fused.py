@@ -15,7 +15,7 @@ import torch
 from ..kernels.base import LORA_NAMES
 
 
-def lora_scaling(rank: int, alpha: float, use_rslora: bool = False) -> float:
+def lora_scaling(*, rank: int, alpha: float, use_rslora: bool = False) -> float:
     """Same scaling as PEFT's LoRA: alpha / r, or alpha / sqrt(r) with rsLoRA."""
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 

@@ -42,7 +42,7 @@ def family_of(config) -> MoEFamily:
     if model_type in UNSUPPORTED:
         raise KTConfigError(f"model_type={model_type!r} is not supported by kt-ft: {UNSUPPORTED[model_type]}")
     if model_type not in _BY_MODEL_TYPE:
-        from .derived import derive_family
+        from .derived import derive_family  # why: derived.py builds on the rules' meta skeleton (a layer up)
 
         return derive_family(config)
     family = _BY_MODEL_TYPE[model_type]
@@ -68,7 +68,7 @@ def layer_index(module_name: str) -> int:
 def expert_spec(family: MoEFamily, module: Any):
     """The kernels' ExpertSpec for ``module``, a routed-experts module of ``family`` (layout-checked
     by ``check_routed_experts``); gpt_oss's alpha and limit are read from the module."""
-    from ..kernels.base import DEFAULT_SPEC, ExpertSpec
+    from ..kernels.base import DEFAULT_SPEC, ExpertSpec  # why: torch-free module; kernels import torch
 
     if family.expert_layout == "interface":
         spec, problems = derive_spec(unwrap_peft(module))
@@ -141,7 +141,7 @@ def _gpt_oss_problems(module: Any) -> list[str]:
     gate/up columns: checked by running it on probe values on both sides of the limits."""
     import torch
 
-    from ..kernels.activation import gated_act
+    from ..kernels.activation import gated_act  # why: as in expert_spec
 
     params = {
         n: getattr(module, n, None)

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import KTConfigError
+from ..rules.builtin import resolve_rule_path
+from ..rules.skeleton import meta_model
 from .families import MoEFamily
 from .interface import derive_spec, interface_experts
 
@@ -59,10 +63,6 @@ def _cache_key(config) -> str:
 
 def derive_family(config) -> MoEFamily:
     """The MoEFamily of ``config``'s model from its experts-interface modules (see module doc)."""
-    import torch
-
-    from ..rules.skeleton import meta_model
-
     key = _cache_key(config)
     if key and key in _CACHE:
         return _CACHE[key]
@@ -90,8 +90,6 @@ def derive_family(config) -> MoEFamily:
             ]
             + problems
         )
-    from ..rules.builtin import resolve_rule_path
-
     over = OVERRIDES.get(model_type, Override())
     rule = over.builtin_rule or (model_type if resolve_rule_path(str(model_type)) else GENERIC_RULE)
     names = tuple(classes)

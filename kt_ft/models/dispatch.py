@@ -22,6 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import KTConfigError
+from ..kernels import LoraTensors, select_backend
+from ..kernels.base import ExpertWeights
+from ..moe.function import CPUExpertsFunction, ExpertRunner
+from .interface import derive_spec
+
 IMPLEMENTATION = "kt_ft"
 
 
@@ -49,12 +55,6 @@ def use_kt_ft_experts(model: torch.nn.Module, name: str = IMPLEMENTATION) -> Non
 
 def _runner(module: torch.nn.Module):
     """The module's cached ExpertRunner (torch backend, its derived spec) and a zero rank-1 LoRA."""
-    from ..errors import KTConfigError
-    from ..kernels import LoraTensors, select_backend
-    from ..kernels.base import ExpertWeights
-    from ..moe.function import ExpertRunner
-    from .interface import derive_spec
-
     cached = getattr(module, "_kt_ft_runner", None)
     if cached is not None:
         return cached
@@ -84,8 +84,6 @@ def kt_ft_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers' experts-interface call, answered by kt-ft's CPU op (see module doc)."""
-    from ..moe.function import CPUExpertsFunction
-
     runner, lora = _runner(self)
     ids = top_k_index.to(torch.int64)
     # expert parallelism's sentinel (>= E) is a masked pair for the op: skipped, weight zeroed

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels.activation import gated_act
 from ..kernels.base import ACTIVATIONS, ExpertSpec
 
 # gated activations tried on _apply_gate, in order (the clamped swish only where the module has
@@ -86,8 +87,6 @@ def _candidates(module: nn.Module, transposed: bool) -> list[ExpertSpec]:
 
 def _gate_spec(module: nn.Module, transposed: bool) -> tuple[ExpertSpec | None, str]:
     """The spec whose gated activation ``module._apply_gate`` computes, else (None, what it did)."""
-    from ..kernels.activation import gated_act
-
     z = _probe(module)
     try:
         got = module._apply_gate(z)

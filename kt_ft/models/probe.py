@@ -15,6 +15,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM
+
+from ..errors import KTConfigError
+from . import family_of
+from .dispatch import use_kt_ft_experts
+from .interface import derive_spec, interface_experts
+from .tiny import tiny_config
+
 LOGITS_ATOL = 1e-4  # fp32; kernels sum in another order than eager
 
 
@@ -77,15 +86,6 @@ def randomize_routing(model) -> None:
 
 def probe(model_type: str, seed: int = 0) -> ProbeRow:
     """Derive, refuse or check ``model_type`` on a tiny random model (see module doc)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from ..errors import KTConfigError
-    from . import family_of
-    from .dispatch import use_kt_ft_experts
-    from .interface import derive_spec, interface_experts
-    from .tiny import tiny_config
-
     t0 = time.perf_counter()
     row = ProbeRow(model_type, "error")
     try:

@@ -1,6 +1,6 @@
 """Where each routed expert's bytes lie in a model's safetensors files (headers only).
 
-kt-ft fills the fused routed-expert tensors itself (``expert_stream``), reading straight from
+kt-ft fills the fused routed-expert tensors itself (``expert_reading``), reading straight from
 the files; this module says, for every fused parameter of every routed-experts module, which
 byte range of which file holds each expert's slice. Only the safetensors headers are read.
 

@@ -54,6 +54,7 @@ class KTExperts(nn.Module):
     def __init__(
         self,
         hf_experts: nn.Module,
+        *,  # the rest by name: rank / scaling / chunk_size / threads are all numbers
         layer_idx: int,
         rank: int,
         scaling: float,
@@ -74,7 +75,7 @@ class KTExperts(nn.Module):
         ``stream_ids``: experts streamed to that device each time the layer runs (``streamed.py``)
         through ``scheduler``, the model's one (a scheduler of its own when None).
         ``lora_device``: where the six expert-LoRA parameters live (None: the CPU); the training GPU
-        for a layer with resident or streamed experts (``moe/patch.py`` ``lora_home`` says why),
+        for a layer with resident or streamed experts (``placement/homes.py`` ``lora_home`` says why),
         the CPU op then reading a host mirror (``host_lora``)."""
         super().__init__()
         names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")

@@ -15,11 +15,11 @@ the HF Trainer sees a plain single-device model (``is_model_parallel`` stays Fal
 ``model.to(device)`` leaves ``KTExperts`` on the CPU, see ``KTExperts._apply``).
 
 The routed experts themselves are not read by transformers: its loader would hold them twice in
-RSS at the peak (the file mapping's pages and the fused copy, see ``expert_stream``). Where kt-ft
+RSS at the peak (the file mapping's pages and the fused copy, see ``expert_reading``). Where kt-ft
 can read the checkpoint's expert layout (``expert_files``), the device map puts them on ``meta``
-and ``ExpertStream.fill`` reads them into their one CPU copy right after ``from_pretrained``;
+and ``ExpertReader.fill`` reads them into their one CPU copy right after ``from_pretrained``;
 otherwise transformers loads them (the reason is logged). ``KT_FT_STREAM_EXPERTS=0`` turns the
-streaming off, to compare.
+reading off, to compare.
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ import torch
 from torch import nn
 
 from ..log import get_logger
+from ..rules import make_plan
 from ..rules.plan import PlacementPlan
+from ..rules.skeleton import meta_model
 from ..settings import enabled
 from .expert_files import ParamSource, find_expert_sources
-from .expert_stream import Allocator, fill_routed_experts
+from .expert_reading import Allocator, fill_routed_experts
+from .shared_weights import meta_device_map
 
 logger = get_logger(__name__)
 
@@ -76,16 +79,13 @@ def planned_device_map(
     config, rules, family, kt_backend: str, cpu_infer: int | None, training_device
 ) -> tuple[KTDeviceMap, PlacementPlan]:
     """Plan on a meta skeleton of ``config`` (raises KTConfigError before any weight is read)."""
-    from ..rules import make_plan
-    from ..rules.skeleton import meta_model
-
     plan = make_plan(meta_model(config, torch.bfloat16), rules, family, kt_backend, cpu_infer)
     install_dispatch_guard()
     return device_map_from_plan(plan, training_device), plan
 
 
 @dataclass
-class ExpertStream:
+class ExpertReader:
     """The routed experts of a checkpoint, to be read by kt-ft instead of transformers."""
 
     model_dir: Path
@@ -98,20 +98,16 @@ class ExpertStream:
 
     def device_map(self, device_map: dict) -> dict:
         """``device_map`` with the routed experts on ``meta`` (transformers reads none of them)."""
-        from .shared_weights import meta_device_map
-
         return meta_device_map(device_map, self.expert_names)
 
     def fill(self, model: nn.Module, allocate: Allocator | None = None) -> int:
-        """Read the experts into ``model``'s meta parameters (see ``expert_stream``); returns bytes."""
+        """Read the experts into ``model``'s meta parameters (see ``expert_reading``); returns bytes."""
         return fill_routed_experts(model, self.sources, allocate)
 
 
-def plan_expert_stream(model_dir, config, expert_names: list[str]) -> ExpertStream | None:
-    """An ExpertStream when ``model_dir`` is a local checkpoint whose expert layout kt-ft reads,
+def plan_expert_reader(model_dir, config, expert_names: list[str]) -> ExpertReader | None:
+    """An ExpertReader when ``model_dir`` is a local checkpoint whose expert layout kt-ft reads,
     else None (transformers loads the experts; the reason is logged)."""
-    from ..rules.skeleton import meta_model
-
     if not enabled(STREAM_ENV):
         logger.info(f"{STREAM_ENV}=0: transformers loads the routed experts")
         return None
@@ -123,7 +119,7 @@ def plan_expert_stream(model_dir, config, expert_names: list[str]) -> ExpertStre
     if reason:
         logger.warning(f"{reason}; transformers loads the routed experts (peak RSS about two copies of them)")
         return None
-    return ExpertStream(path, list(expert_names), sources)
+    return ExpertReader(path, list(expert_names), sources)
 
 
 def load_planned(model_dir, device_map: dict, plan: PlacementPlan, **kwargs) -> nn.Module:
@@ -132,12 +128,12 @@ def load_planned(model_dir, device_map: dict, plan: PlacementPlan, **kwargs) -> 
     goes through ``kt_ft.llamafactory.model.plan_loading``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    stream = plan_expert_stream(
+    reader = plan_expert_reader(
         model_dir, AutoConfig.from_pretrained(model_dir), [e.name for e in plan.experts]
     )
-    if stream is not None:
-        device_map = stream.device_map(device_map)
+    if reader is not None:
+        device_map = reader.device_map(device_map)
     model = AutoModelForCausalLM.from_pretrained(model_dir, device_map=device_map, **kwargs)
-    if stream is not None:
-        stream.fill(model)
+    if reader is not None:
+        reader.fill(model)
     return model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -11,17 +10,17 @@ from ..kernels import select_backend
 from ..kernels.base import DEFAULT_SPEC
 from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
+from ..placement.homes import lora_home, pick_resident_ids, pick_stream_ids
 from ..rules.plan import PlacementPlan
 from ..settings import enabled
 from .beside import install_shared_beside
 from .experts import KTExperts
-from .resident import pick_resident_ids, pick_stream_ids
 from .streamed import StreamScheduler
 
 logger = get_logger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)  # twelve fields, several of one type: by name only
 class KTSummary:
     layers: list[int]
     num_experts: int
@@ -55,25 +54,6 @@ class KTSummary:
                 else ""
             )
         )
-
-
-def lora_home(training_device: torch.device, on_device: bool) -> torch.device | None:
-    """Where a layer's expert LoRA lives (None: the CPU). The training GPU when some expert of the
-    layer is resident or streamed (``on_device``) and this is a single process: the optimizer then
-    steps it on the GPU, and only the CPU op's share crosses the link (a pinned host mirror of the
-    LoRA and the CPU experts' gradients back: ``experts.py`` ``_LoraToHost``). Kept on the CPU, a
-    Qwen3-30B-A3B layer's ~35 MB of fp32 LoRA would cross twice a step for the device experts and
-    be stepped by a CPU AdamW (tens of ms a layer on the GPU machine). Cost: the LoRA, its gradient
-    and AdamW moments on the GPU (16 bytes a parameter: ~138 MB for that layer), which the planner
-    and ``rules plan`` count. All-CPU layers and several processes (expert-LoRA gradients averaged
-    over gloo, ``distributed.py``) keep it on the CPU."""
-    from ..distributed import topology
-
-    if not on_device or training_device.type != "cuda":
-        return None
-    if topology().distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return None
-    return training_device
 
 
 def _ids_text(by_layer: dict[int, tuple[int, ...]]) -> str:
@@ -138,12 +118,12 @@ def replace_routed_experts(
             streamed[place.layer] = stream_ids
         kt = KTExperts(
             hf,
-            place.layer,
-            rank,
-            scaling,
-            backend,
-            chunk_size,
-            place.threads,
+            layer_idx=place.layer,
+            rank=rank,
+            scaling=scaling,
+            backend=backend,
+            chunk_size=chunk_size,
+            threads=place.threads,
             generator=gen,
             spec=spec,
             resident_ids=ids,
@@ -167,16 +147,16 @@ def replace_routed_experts(
     reasons = "; ".join(sorted({r for _, r in backends.values()}))
     threads = plan.experts[0].threads if plan.experts else None
     return KTSummary(
-        [p.layer for p in plan.experts],
-        num_experts,
-        names,
-        reasons,
-        threads,
-        lora_params,
-        expert_bytes,
-        plan.default_device,
-        resident,
-        streamed,
-        scheduler if streamed else None,
-        tuple(lora_dev_layers),
+        layers=[p.layer for p in plan.experts],
+        num_experts=num_experts,
+        backend=names,
+        backend_reason=reasons,
+        threads=threads,
+        lora_params=lora_params,
+        expert_bytes=expert_bytes,
+        default_device=plan.default_device,
+        resident=resident,
+        streamed=streamed,
+        scheduler=scheduler if streamed else None,
+        lora_on_device=tuple(lora_dev_layers),
     )

@@ -6,7 +6,7 @@ new ``nn.Parameter`` or buffer, so state-dict names, PEFT and DDP see nothing ne
 are computed there by ``device_experts.py`` (the formula and graph shared with the streamed
 experts of ``streamed.py``); the CPU keeps every expert's weights.
 
-``pick_resident_ids`` / ``pick_stream_ids``: which experts a count selects.
+Which experts a count selects: ``placement/homes.py`` (``pick_resident_ids``).
 """
 
 from __future__ import annotations
@@ -64,48 +64,3 @@ class ResidentExperts:
             return 0
         ts = (w.gate_up, w.down, w.gate_up_bias, w.down_bias)
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-def pick_resident_ids(
-    num_experts: int, ids: Sequence[int] | None, count: int | None, popularity: torch.Tensor | None = None
-) -> tuple[int, ...]:
-    """The experts a ``gpu_experts`` entry makes resident: ``ids`` as given, or for a ``count`` the
-    ``count`` most popular experts when ``popularity`` [E] (routing counts) is known, else the first
-    ``count`` ids (0 .. count-1). Ties keep the lower id. Empty: none."""
-    if ids is not None:
-        return tuple(sorted(ids))
-    if not count:
-        return ()
-    if popularity is None:
-        return tuple(range(count))
-    order = sorted(range(num_experts), key=lambda e: (-float(popularity[e]), e))
-    return tuple(sorted(order[:count]))
-
-
-def pick_stream_ids(
-    num_experts: int,
-    resident: Sequence[int],
-    ids: Sequence[int] | None,
-    count: int | None,
-    popularity: torch.Tensor | None = None,
-) -> tuple[int, ...]:
-    """The experts a ``stream`` entry streams, given the layer's ``resident`` ids: ``ids`` as given;
-    for a ``count`` the ``count`` most popular non-resident experts when ``popularity`` [E] is
-    known, else the first ``count`` non-resident ids; ``ids`` and ``count`` both None (``stream:
-    all``): every non-resident expert. Ties keep the lower id. Raises ValueError when the ids
-    overlap the resident ones or there are not ``count`` non-resident experts."""
-    rest = [e for e in range(num_experts) if e not in set(resident)]
-    if ids is not None:
-        both = sorted(set(ids) & set(resident))
-        if both:
-            raise ValueError(f"expert ids {both} are both resident (gpu_experts) and streamed")
-        return tuple(sorted(ids))
-    if count is None:
-        return tuple(rest)
-    if count > len(rest):
-        raise ValueError(
-            f"stream count {count} > the {len(rest)} experts not resident ({len(resident)} of {num_experts} are)"
-        )
-    if popularity is not None:
-        rest = sorted(rest, key=lambda e: (-float(popularity[e]), e))
-    return tuple(sorted(rest[:count]))

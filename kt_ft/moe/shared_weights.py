@@ -10,7 +10,7 @@ on a machine, kt-ft instead:
 2. local rank 0 creates one file ``kt-ft-experts-<run token>.bin`` in a RAM-backed directory
    (``/dev/shm``, or ``$KT_FT_SHARED_DIR``), mapped ``MAP_SHARED``
    (``torch.UntypedStorage.from_file(shared=True)``), and reads each fused tensor straight from
-   the checkpoint into it (``fill``: ``kt_ft.moe.expert_stream``, no private copy), or, where
+   the checkpoint into it (``fill``: ``kt_ft.moe.expert_reading``, no private copy), or, where
    transformers loaded them, copies them in layer by layer and frees its private copy;
 3. every other local rank maps the same file and points its meta parameters at it;
 4. once all have mapped it, local rank 0 unlinks the file: the pages live as long as a
@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import KTConfigError
 from ..log import fmt_bytes, get_logger
+from ..processes import barrier, broadcast_object, new_run_token
 from ..settings import enabled, get
 
 logger = get_logger(__name__)
@@ -135,12 +136,10 @@ def share_expert_weights(
     """Point every rank's routed-expert base tensors at one shared mapping (see module doc).
 
     ``fill``: on local rank 0, where its experts are still on ``meta``, reads them straight into
-    the mapping (``ExpertStream.fill`` with an allocator of views of the file: no private copy
+    the mapping (``ExpertReader.fill`` with an allocator of views of the file: no private copy
     at all); without it, local rank 0 copies the tensors transformers loaded.
     Collective: every rank of the run calls it, at the same point. Returns the bytes shared.
     """
-    from ..distributed import barrier, broadcast_object, new_run_token
-
     params = expert_base_params(model, expert_names)
     slots, size = layout(params)
     token = new_run_token()
@@ -183,7 +182,7 @@ def share_expert_weights(
 
 
 def _slot_allocator(storage: torch.UntypedStorage, slots: list[Slot]):
-    """An ``expert_stream`` allocator: the shared file's view for a base tensor, private memory
+    """An ``expert_reading`` allocator: the shared file's view for a base tensor, private memory
     for anything else of the experts module (e.g. gpt_oss's biases, not in the file)."""
     by_name = {s.name: s for s in slots}
 

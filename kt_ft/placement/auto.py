@@ -15,11 +15,11 @@ from collections.abc import Sequence
 import torch
 
 from ..log import fmt_bytes
-from ..moe.patch import lora_home
 from ..rules.plan import ExpertPlacement, PlacementPlan
-from ..rules.report import TRAIN_STATE_BYTES, TrainSizes, _expert_dims, estimate
+from ..rules.report import TRAIN_STATE_BYTES, TrainSizes, _expert_dims, _ranges, estimate
 from ..rules.schema import GpuExpertSpec
 from .cost import LayerShape, LayerSplit, Prediction, Rates, non_expert_flops, predict
+from .homes import lora_home, pick_resident_ids, pick_stream_ids
 from .planner import Choice, PlannerInput, choose_splits
 
 
@@ -56,8 +56,6 @@ def model_non_expert_flops(model: torch.nn.Module, plan: PlacementPlan, sizes: T
 
 
 def _resident_ids(e: ExpertPlacement, num: int, popularity: Sequence[float] | None) -> tuple[int, ...]:
-    from ..moe.resident import pick_resident_ids
-
     spec = e.gpu_experts
     if spec is None:
         return ()
@@ -77,8 +75,6 @@ def current_splits(
         res = _resident_ids(e, num, pop)
         st: tuple[int, ...] = ()
         if e.stream_experts is not None:  # ids, a count, or ``all`` (both None): the run's own pick
-            from ..moe.resident import pick_stream_ids
-
             se = e.stream_experts
             pop_t = None if pop is None else torch.tensor(list(pop), dtype=torch.float64)
             st = pick_stream_ids(num, res, se.ids, se.count, pop_t)
@@ -89,6 +85,7 @@ def current_splits(
 def predict_plan(
     model: torch.nn.Module,
     plan: PlacementPlan,
+    *,  # the rest by name (sizes, rates, caps: easy to swap)
     dtype: torch.dtype,
     sizes: TrainSizes,
     rates: Rates,
@@ -111,6 +108,7 @@ def training_device_key(plan: PlacementPlan) -> str:
 def plan_auto(
     model: torch.nn.Module,
     plan: PlacementPlan,
+    *,  # the rest by name (sizes, rates, caps: easy to swap)
     dtype: torch.dtype,
     sizes: TrainSizes,
     rates: Rates,
@@ -161,9 +159,9 @@ def plan_auto(
     choice = choose_splits(
         inputs,
         rates,
-        sizes.lora_rank,
-        sizes.cutoff_len * sizes.batch,
-        budget,
+        rank=sizes.lora_rank,
+        tokens=sizes.cutoff_len * sizes.batch,
+        budget_bytes=budget,
         allow_stream=stream,
         nonexpert_flops=model_non_expert_flops(model, plan, sizes),
         layer_scale=layer_scale,
@@ -183,15 +181,10 @@ def plan_auto(
     return choice
 
 
-def _ranges(layers: list[int]) -> str:
-    from ..rules.report import _ranges as r
-
-    return r(layers)
-
-
 def placement_section(
     model: torch.nn.Module,
     plan: PlacementPlan,
+    *,  # the rest by name (sizes, rates, caps: easy to swap)
     dtype: torch.dtype,
     sizes: TrainSizes,
     rates: Rates,
@@ -200,7 +193,7 @@ def placement_section(
 ) -> dict:
     """The ``placement`` block of ``kt-ft rules plan`` (JSON-ready): per layer group the resident /
     streamed / CPU counts, the predicted seconds per resource and step, the bottleneck."""
-    pred = predict_plan(model, plan, dtype, sizes, rates)
+    pred = predict_plan(model, plan, dtype=dtype, sizes=sizes, rates=rates)
     splits = current_splits(model, plan)
     groups: list[dict] = []
     for e, s, t in zip(plan.experts, splits, pred.layers, strict=True):

@@ -26,10 +26,20 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from ..errors import KTConfigError
+from ..hparams import physical_cpu_cores
+from ..kernels import select_backend
+from ..kernels.base import ExpertWeights
 from ..log import get_logger
+from ..lora.fused import expert_lora_shapes
+from ..moe.device_experts import DeviceExperts
+from ..moe.op_timing import Preset, random_layer, time_op
+from ..moe.resident import ResidentExperts
 from ..settings import get
 from .cost import LayerShape, Rates
+from .homes import lora_home
 
 logger = get_logger(__name__)
 
@@ -109,9 +119,6 @@ def _cpu_model() -> str:
 
 def machine_key(cuda: bool) -> str:
     """CPU model, physical cores / logical CPUs, GPU name (or "no GPU"), torch version."""
-    import torch
-
-    from ..hparams import physical_cpu_cores
 
     gpu = torch.cuda.get_device_name(0) if cuda else "no GPU"
     return f"{_cpu_model()} | {physical_cpu_cores()}c/{os.cpu_count()}t | {gpu} | torch {torch.__version__}"
@@ -136,10 +143,6 @@ def _best(fn: Callable[[], None], repeat: int, sync: Callable[[], None] = lambda
 
 def measure_cpu_flops(shape: LayerShape, backend: str, threads: int, tokens: int, rank: int = 8) -> float:
     """The CPU op's effective FLOP/s (``pair_flops``) on a small real-shaped batch (see module doc)."""
-    import torch
-
-    from ..bench import Preset, bench_op, random_layer
-    from ..kernels import select_backend
 
     name = select_backend(backend, torch.bfloat16)[0].name
     # kt-kernel: the whole layer. Its per-call costs are the layer's, not per expert: measured on
@@ -150,21 +153,17 @@ def measure_cpu_flops(shape: LayerShape, backend: str, threads: int, tokens: int
     t = math.ceil(rows_per_expert(shape, tokens) * experts / k)
     p = Preset("measure", shape.hidden, shape.inter, experts, k, 1)
     gen = torch.Generator().manual_seed(0)
-    rec = bench_op(p, random_layer(p, rank, gen), name, t, threads, 2, gen)
-    return t * k * LayerShape(experts, shape.hidden, shape.inter, k).pair_flops(rank) / rec.seconds
+    sec = time_op(p, random_layer(p, rank, gen), name, t, threads, 2, gen)
+    return t * k * LayerShape(experts, shape.hidden, shape.inter, k).pair_flops(rank) / sec
 
 
 def _sync(device: str) -> Callable[[], None]:
-    import torch
-
     return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
 def measure_link_bytes_s(nbytes: int = 256 * 2**20, device: str = "cuda") -> float:
     """Host -> ``device`` copy rate from pinned memory (``cpu``: a plain memory copy, for the bench's
     CPU-only smoke run where the "GPU" is the CPU)."""
-    import torch
-
     cuda = device.startswith("cuda")
     src = torch.empty(nbytes, dtype=torch.uint8)
     src = src.pin_memory() if cuda else src
@@ -173,8 +172,6 @@ def measure_link_bytes_s(nbytes: int = 256 * 2**20, device: str = "cuda") -> flo
 
 
 def measure_gpu_flops(n: int = 8192, device: str = "cuda") -> float:
-    import torch
-
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
 
@@ -192,13 +189,6 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda
     grouped products, autograd), forward + backward, counted with ``pair_flops`` (the
     cost model adds the recompute's forward at this rate). Every expert of the layer when they fit
     in 4 GiB, else fewer at the same rows per expert."""
-    import torch
-
-    from ..kernels.base import ExpertWeights
-    from ..lora.fused import expert_lora_shapes
-    from ..moe.device_experts import DeviceExperts
-    from ..moe.patch import lora_home
-    from ..moe.resident import ResidentExperts
 
     h, i, k = shape.hidden, shape.inter, shape.top_k
     e = max(k, min(shape.num_experts, (4 * 2**30) // max(1, shape.expert_bytes)))
@@ -280,8 +270,6 @@ def machine_rates(
     cuda: bool | None = None,
 ) -> Rates:
     """The rates for ``shape`` on this machine: overrides, else the cache, else measured (and cached)."""
-    import torch
-
     overrides = overrides or {}
     cuda = torch.cuda.is_available() if cuda is None else cuda
     data = _load_cache()

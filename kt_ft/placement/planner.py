@@ -152,6 +152,7 @@ def _spread(
 def choose_splits(
     inputs: Sequence[PlannerInput],
     rates: Rates,
+    *,  # the rest by name: rank, tokens and the byte counts are all numbers
     rank: int,
     tokens: int,
     budget_bytes: int | None,
@@ -170,7 +171,7 @@ def choose_splits(
     model under the full model's budget): resident weights count that many times, the stream
     buffers and the activation reserve (one or two layers whatever the depth) once.
     ``lora_state_bytes``: GPU bytes per expert-LoRA parameter of a layer with experts on the GPU
-    (its LoRA and optimizer state move there: ``moe/patch.py`` ``lora_home``; 0: they stay on the
+    (its LoRA and optimizer state move there: ``placement/homes.py`` ``lora_home``; 0: they stay on the
     CPU); such layers' LoRA counts against the budget (scaled like resident weights), taking
     resident experts back until it fits. ``lora_fixed`` (a re-plan: the LoRA does not move once
     the run started): per input, whether its LoRA is on the GPU, counted whatever the split.

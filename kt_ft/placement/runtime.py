@@ -41,7 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import select_backend
 from ..log import fmt_bytes, get_logger
+from ..models import unwrap_peft
+from ..moe.experts import KTExperts
 from ..rules.plan import PlacementPlan
 from ..rules.report import CUDA_GROWTH_BYTES, TrainSizes
 from .auto import auto_layers, format_placement, layer_shape, placement_section, plan_auto
@@ -139,8 +142,6 @@ def auto_at_start(
     autos = auto_layers(plan)
     if not autos:
         return None
-    from ..kernels import select_backend
-    from ..models import unwrap_peft
 
     first = autos[0]
     dtype = unwrap_peft(model.get_submodule(first.name)).gate_up_proj.dtype
@@ -169,10 +170,10 @@ def auto_at_start(
     choice = plan_auto(
         model,
         plan,
-        dtype,
-        sizes,
-        rates,
-        cap,
+        dtype=dtype,
+        sizes=sizes,
+        rates=rates,
+        cap_bytes=cap,
         expert_budget_bytes=expert_budget_bytes,
         layer_scale=layer_scale,
         cuda_overhead_bytes=overhead,
@@ -187,7 +188,13 @@ def auto_at_start(
             f"{fmt_bytes(ALLOCATOR_SLACK_BYTES)} free for fragmentation; expandable segments: {expandable}"
         )
     section = placement_section(
-        model, plan, dtype, sizes, rates, choice, describe(rates, shape, sizes.lora_rank)
+        model,
+        plan,
+        dtype=dtype,
+        sizes=sizes,
+        rates=rates,
+        choice=choice,
+        rate_lines=describe(rates, shape, sizes.lora_rank),
     )
     logger.info(
         f"placement: auto for {len(autos)} MoE layers, {tokens} tokens a micro-batch:"
@@ -255,7 +262,6 @@ class Replanner:
             m.count_routing = self.active and every > 0
 
     def _modules(self) -> dict[int, torch.nn.Module]:
-        from ..moe.experts import KTExperts
 
         auto = {e.layer for e in auto_layers(self.ctx.plan)}
         return {
@@ -445,10 +451,10 @@ class Replanner:
         return plan_auto(
             ctx.model,
             ctx.plan,
-            ctx.dtype,
-            ctx.sizes,
-            self._planning_rates(cpu_last_resort),
-            ctx.cap_bytes,
+            dtype=ctx.dtype,
+            sizes=ctx.sizes,
+            rates=self._planning_rates(cpu_last_resort),
+            cap_bytes=ctx.cap_bytes,
             popularity=counts,
             expert_budget_bytes=ctx.expert_budget_bytes,
             layer_scale=ctx.layer_scale,

@@ -54,7 +54,7 @@ from .schema import (
 )
 
 
-@dataclass
+@dataclass(kw_only=True)  # fourteen fields, several of one type: by name only
 class Rule:
     index: int  # position in its own file's list
     where: str  # "file:line" of the rule
@@ -285,20 +285,20 @@ def _rule(r: _Reader, i: int, item: yaml.Node) -> Rule | None:
             r.problem(keys["recursive"], f"{path_i}.recursive", f"{recursive!r}; expected true or false")
             recursive = True
     return Rule(
-        i,
-        r.at(item),
-        name_re,
-        cls,
-        device,
-        backend,
-        threads,
-        recursive,
-        layers,
-        gpu_experts,
-        r.source,
-        device_at,
-        stream,
-        placement,
+        index=i,
+        where=r.at(item),
+        name=name_re,
+        cls=cls,
+        device=device,
+        backend=backend,
+        threads=threads,
+        recursive=recursive,
+        layers=layers,
+        gpu_experts=gpu_experts,
+        source=r.source,
+        device_at=device_at,
+        stream=stream,
+        placement=placement,
     )
 
 

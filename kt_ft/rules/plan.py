@@ -20,6 +20,7 @@ import torch
 from ..errors import KTConfigError
 from ..log import get_logger
 from ..models import MoEFamily, expert_spec, find_routed_experts, layer_index
+from ..placement.homes import pick_resident_ids
 from .loader import Rule, RuleSet, missing_devices
 from .schema import GpuExpertSpec
 
@@ -98,8 +99,6 @@ def _stream_problems(
 ) -> list[str]:
     """A layer's ``stream`` entry against the model and its resident experts (a resident count
     takes ids 0..count-1, as at load: docs/placement.md "GPU-resident experts")."""
-    from ..moe.resident import pick_resident_ids
-
     path = f"{rule.where}: stream"
     resident = pick_resident_ids(num_experts, gpu.ids, gpu.count) if gpu is not None else ()
     rest = num_experts - len(resident)

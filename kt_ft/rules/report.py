@@ -40,10 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import KTConfigError
 from ..log import fmt_bytes
-from ..models import unwrap_peft
-from ..moe.patch import lora_home
+from ..models import layer_index, unwrap_peft
 from ..placement.cost import STREAM_BUFFERS
+from ..placement.homes import lora_home
 from .plan import PlacementPlan
 
 TRAIN_STATE_BYTES = 16  # per trainable parameter: fp32 weight + grad + 2 AdamW moments
@@ -83,8 +84,6 @@ def _ranges(layers: list[int]) -> str:
 
 
 def _layer(name: str) -> int | None:
-    from ..models import layer_index
-
     try:
         return layer_index(name)
     except ValueError:
@@ -356,8 +355,6 @@ def check_gpu_cap(
     """Before any weight is read: the least the training GPU needs with ``plan`` (every
     ``placement: auto`` expert on the CPU, the other rules as written) must fit ``cap_gib``, else a
     KTConfigError that says what it takes and what would fit (``where``: the recipe, for the message)."""
-    from ..errors import KTConfigError
-
     report = estimate(model, plan, dtype, sizes)
     train = next((d for name, d in report["devices"].items() if name.startswith("cuda")), None)
     if train is None or train["total_bytes"] <= cap_gib * GIB:

@@ -11,25 +11,13 @@ from __future__ import annotations
 
 import json
 import platform
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 from tqdm import tqdm
 
-from .kernels import BACKENDS, ExpertWeights, LoraTensors
-from .moe.function import CPUExpertsFunction, ExpertRunner
-
-
-@dataclass(frozen=True)
-class Preset:
-    name: str
-    hidden: int
-    inter: int
-    experts: int
-    top_k: int
-    layers: int  # of the real model (the op bench runs one layer)
-
+from ..kernels import BACKENDS
+from ..moe.op_timing import Preset, best_time, random_layer, time_op
 
 PRESETS = {
     "tiny": Preset("tiny", 256, 128, 8, 2, 2),
@@ -49,56 +37,10 @@ class Record:
     tflops: float
 
 
-def _time(fn, repeat: int) -> float:
-    fn()  # warm-up (allocations, kernel packing, thread pools)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def random_layer(p: Preset, rank: int, gen: torch.Generator):
-    bf = torch.bfloat16
-
-    def rnd(*shape, scale):
-        return (torch.randn(*shape, generator=gen) * scale).to(bf)
-
-    base = ExpertWeights(
-        rnd(p.experts, 2 * p.inter, p.hidden, scale=p.hidden**-0.5),
-        rnd(p.experts, p.hidden, p.inter, scale=p.inter**-0.5),
-    )
-    lora = LoraTensors(
-        rnd(p.experts, rank, p.hidden, scale=p.hidden**-0.5).float(),
-        rnd(p.experts, p.inter, rank, scale=0.01).float(),
-        rnd(p.experts, rank, p.hidden, scale=p.hidden**-0.5).float(),
-        rnd(p.experts, p.inter, rank, scale=0.01).float(),
-        rnd(p.experts, rank, p.inter, scale=p.inter**-0.5).float(),
-        rnd(p.experts, p.hidden, rank, scale=0.01).float(),
-    )
-    return base, lora
-
-
 def bench_op(
     p: Preset, layer, backend: str, tokens: int, threads: int, repeat: int, gen: torch.Generator
 ) -> Record:
-    base, lora = layer
-    x = torch.randn(tokens, p.hidden, generator=gen).to(torch.bfloat16)
-    scores = torch.rand(tokens, p.experts, generator=gen)
-    w, ids = scores.topk(p.top_k, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
-    gy = torch.randn(tokens, p.hidden, generator=gen).to(torch.bfloat16)
-    runner = ExpertRunner(BACKENDS[backend](), base, 2.0, chunk_size=max(tokens, 1), threads=threads)
-    params = [t.clone().requires_grad_() for t in lora]
-
-    def step():
-        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        CPUExpertsFunction.apply(xx, ids, ww, runner, *params).backward(gy)
-        for q in params:
-            q.grad = None
-
-    sec = _time(step, repeat)
+    sec = time_op(p, layer, backend, tokens, threads, repeat, gen)
     flops = 12 * p.hidden * p.inter * p.top_k * tokens
     return Record(backend, "op", p.name, tokens, sec, tokens / sec, flops / sec / 1e12)
 
@@ -116,7 +58,7 @@ def bench_gemm(p: Preset, tokens: int, threads: int, repeat: int, gen: torch.Gen
         for _ in range(reps):
             x @ wt.T
 
-    sec = _time(plain, repeat) / reps
+    sec = best_time(plain, repeat) / reps
     out.append(Record(f"gemm x@W.T m={m}", "gemm", p.name, tokens, sec, None, flops / sec / 1e12))
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(wt, m)
@@ -125,7 +67,7 @@ def bench_gemm(p: Preset, tokens: int, threads: int, repeat: int, gen: torch.Gen
             for _ in range(reps):
                 torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
-        sec = _time(prepacked, repeat) / reps
+        sec = best_time(prepacked, repeat) / reps
         out.append(Record(f"gemm prepacked m={m}", "gemm", p.name, tokens, sec, None, flops / sec / 1e12))
     except RuntimeError as e:  # oneDNN's bf16 path needs AVX512-BF16/AMX or AVX-NE-CONVERT
         print(f"prepacked bf16 GEMM unavailable here: {str(e).splitlines()[0]}")

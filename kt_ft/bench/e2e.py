@@ -1,7 +1,7 @@
 """`kt-ft bench --parts e2e`: the product path measured: `llamafactory-cli train`, once per system.
 
 What a user runs, at the depth the disk allows: a random-weight model of a real config
-(``bench_step.MODEL_CONFIGS``; ``--layers`` of its decoder layers, default all), a tokenizer
+(``bench/models.py`` ``MODEL_CONFIGS``; ``--layers`` of its decoder layers, default all), a tokenizer
 trained here, and a dataset of long examples (each longer than ``cutoff_len``, so every micro-batch
 holds exactly ``cutoff_len`` tokens). Each system is one `llamafactory-cli train` process on the
 same recipe (LoRA r 8 / alpha 16, ``lora_target: all``, batch 1, gradient accumulation 4, bf16 where
@@ -44,8 +44,10 @@ from pathlib import Path
 
 import yaml
 
-from . import settings
-from .bench_step import MODEL_CONFIGS
+from .. import settings
+from ..demo import train_tokenizer
+from ..models import FAMILIES
+from .models import MODEL_CONFIGS, build_model_dir
 
 GIB = 2**30
 DATASET = "kt_e2e"
@@ -109,9 +111,6 @@ def write_assets(
     tokenizer trained here) and ``workdir/data`` (``examples`` alpaca examples, each longer than
     ``cutoff_len`` tokens). Kept and reused when ``workdir/assets.json`` says they match.
     Returns (model dir, data dir, layers)."""
-    from .bench_step import build_model_dir
-    from .demo import train_tokenizer
-
     real = MODEL_CONFIGS[preset][1]["num_hidden_layers"]
     layers = real if layers is None else layers
     if not 1 <= layers <= real:
@@ -167,8 +166,6 @@ def _point_config_at_tokenizer(model_dir: Path, tokenizer) -> None:
 
 def write_rule(run_dir: Path, preset: str, system: System) -> Path | None:
     """The optimize rule of ``system`` (None: the family's built-in rule, all experts on the CPU)."""
-    from .models import FAMILIES
-
     if system.kind not in ("auto", "stream"):
         return None
     family = FAMILIES[MODEL_CONFIGS[preset][0]]

@@ -36,123 +36,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-from .settings import enabled, get
+from ..core import KTConfig, apply, plan_for
+from ..models import family_of
+from ..moe.experts import KTExperts
+from ..moe.loading import load_planned, planned_device_map
+from ..placement.runtime import CALIBRATE_AFTER, Replanner
+from ..rules import load_rules, resolve_rule_path
+from ..settings import enabled, get
+from .models import LORA_ALPHA, LORA_RANK, MODEL_CONFIGS, StepRecord, build_model_dir
+from .placement_system import Placement, expert_budget, split_text
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-LORA_RANK, LORA_ALPHA = 8, 16
 SYSTEMS = ("kt-ft", "peft-gpu", "offload")  # a worker's --system
 # the step part's --systems: also kt-ft with every expert streamed (a kt-ft worker, --placement stream)
 # and kt-ft with ``placement: auto`` under the offload run's GPU memory cap (--placement auto)
 STEP_SYSTEMS = ("kt-ft", "kt-ft-stream", "kt-ft-auto", "peft-gpu", "offload")
-
-# (transformers model_type, config of the real model with `num_hidden_layers` = the real count)
-MODEL_CONFIGS: dict[str, tuple[str, dict]] = {
-    "tiny": (
-        "qwen3_moe",
-        dict(
-            hidden_size=256,
-            intermediate_size=512,
-            moe_intermediate_size=128,
-            num_experts=8,
-            num_experts_per_tok=2,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            vocab_size=1024,
-        ),
-    ),  # fmt: skip
-    "qwen3-30b-a3b": (
-        "qwen3_moe",
-        dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            moe_intermediate_size=768,
-            num_experts=128,
-            num_experts_per_tok=8,
-            num_hidden_layers=48,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-            vocab_size=151936,
-            norm_topk_prob=True,
-            tie_word_embeddings=False,
-        ),
-    ),  # fmt: skip
-    "deepseek-v2-lite": (
-        "deepseek_v2",
-        dict(
-            hidden_size=2048,
-            intermediate_size=10944,
-            moe_intermediate_size=1408,
-            n_routed_experts=64,
-            n_shared_experts=2,
-            num_experts_per_tok=6,
-            first_k_dense_replace=1,
-            num_hidden_layers=27,
-            num_attention_heads=16,
-            num_key_value_heads=16,
-            kv_lora_rank=512,
-            q_lora_rank=None,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            head_dim=64,
-            vocab_size=102400,
-            topk_method="greedy",
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-        ),
-    ),  # fmt: skip
-}
-
-
-@dataclass
-class StepRecord:
-    name: str  # system, e.g. "kt-ft[torch]", "peft-gpu", "offload"
-    kind: str  # "step"
-    preset: str
-    tokens: int  # tokens per step
-    seconds: float  # best step time
-    tok_s: float | None
-    layers: int
-    real_layers: int
-    peak_gpu_bytes: int | None
-    peak_rss_bytes: int
-    losses: list[float] = field(default_factory=list)
-    note: str = ""
-    cap_gib: float | None = None  # placement bench: the GPU memory cap of the full model
-    predicted_s: float | None = None  # placement bench: the cost model's step time
-
-
-def build_model_dir(preset: str, layers: int, out: Path, seed: int = 0) -> tuple[Path, float]:
-    """Save a random bf16 model of ``preset`` with ``layers`` decoder layers; returns (dir, the
-    share of the full model's parameter count these layers hold)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model_type, cfg = MODEL_CONFIGS[preset]
-    real_layers = cfg["num_hidden_layers"]
-    config = AutoConfig.for_model(model_type, **{**cfg, "num_hidden_layers": layers})
-    full = AutoConfig.for_model(model_type, **cfg)
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        n_full = sum(p.numel() for p in AutoModelForCausalLM.from_config(full).parameters())
-    # random init on the GPU where there is one: on the CPU it takes minutes for a dozen
-    # Qwen3-30B-A3B layers (save_pretrained copies the tensors back); every system loads this file
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    n = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(out)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the workers (own processes) get the whole GPU
-    assert real_layers >= layers
-    return out, n / n_full
 
 
 def _peak_rss() -> int:
@@ -161,15 +63,10 @@ def _peak_rss() -> int:
 
 def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int, placement=None):
     """kt-ft's model; ``placement``: None (the family's rule: every expert on the CPU) or a
-    ``bench_placement.Placement`` (the rule it writes, the planner's budget and rates)."""
+    ``placement_system.Placement`` (the rule it writes, the planner's budget and rates)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig
-
-    from .core import KTConfig, apply, plan_for
-    from .models import family_of
-    from .moe.loading import load_planned, planned_device_map
-    from .rules import load_rules, resolve_rule_path
 
     config = AutoConfig.from_pretrained(model_dir)
     family = family_of(config)
@@ -180,7 +77,7 @@ def _load_kt(model_dir: str, device, backend: str, threads: int, seq: int, place
     model = load_planned(model_dir, device_map, load_plan, dtype=torch.bfloat16)
     model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=ATTN))
     # the product's path (kt_ft.apply), with the bench's own split for a placement: the planner
-    # budget of the full model scaled to the benchmarked layers (bench_placement.Placement)
+    # budget of the full model scaled to the benchmarked layers (placement_system.Placement)
     config = KTConfig(
         rule=rule_path,
         rank=LORA_RANK,
@@ -312,8 +209,6 @@ def worker(args: argparse.Namespace) -> StepRecord:
     name = args.system
     placement = None
     if args.system == "kt-ft" and args.placement is not None:
-        from .bench_placement import Placement
-
         placement = Placement(
             args.placement, args.preset, args.gpu_cap_gib, args.threads, args.backend, args.expert_budget
         )
@@ -345,8 +240,6 @@ def worker(args: argparse.Namespace) -> StepRecord:
     ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    from .moe.experts import KTExperts
-
     runners = [m.runner for m in model.modules() if isinstance(m, KTExperts)]
     replanner, warmup = None, args.warmup
     # KT_FT_BENCH_REPLAN=0: time the planner's first split as it is (no calibration, no trial)
@@ -354,8 +247,6 @@ def worker(args: argparse.Namespace) -> StepRecord:
     if replan and placement is not None and placement.ctx is not None and placement.ctx.rates.has_gpu:
         # as a run does (``placement/runtime.py``): after a few steps the CPU op's rate in the run
         # replaces the measured one when they differ; those steps are warm-up, plus one for a new split
-        from .placement.runtime import CALIBRATE_AFTER, Replanner
-
         replanner = Replanner(placement.ctx, every=0, threshold=1.0)
         warmup = max(args.warmup, CALIBRATE_AFTER + 1)
     # the model's stream scheduler (one per model), whose counters say what crossed the link
@@ -383,8 +274,6 @@ def worker(args: argparse.Namespace) -> StepRecord:
             warmup = max(warmup, step + 2)  # the next step settles the new split: not timed
         step += 1
     if replanner is not None and replanner.last_choice is not None:
-        from .bench_placement import split_text
-
         choice = replanner.last_choice  # the split the timed steps ran
         placement.predicted_s = choice.prediction.step_s
         note += f"; re-planned in the run: {split_text(choice, runners[0].base.num_experts)}"
@@ -491,14 +380,12 @@ def _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeo
             jobs, desc=f"step bench {preset} x{n_layers} layers", unit="system"
         ):
             out = Path(tmp) / f"{system}-{backend}-{placement}.json"
-            cmd = [sys.executable, "-m", "kt_ft.bench_step", "--system", system, "--backend", backend or "auto",
+            cmd = [sys.executable, "-m", "kt_ft.bench.step", "--system", system, "--backend", backend or "auto",
                    "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
                    "--steps", str(steps), "--gpu-cap-gib", f"{gpu_cap_gib:g}", "--out", str(out)]  # fmt: skip
             if placement is not None:
                 cmd += ["--placement", placement]
-            if placement == "auto":  # the experts' share of the cap, for the full model (bench_placement.py)
-                from .bench_placement import expert_budget
-
+            if placement == "auto":  # the experts' share of the cap, for the full model (placement_system.py)
                 cmd += ["--expert-budget", str(expert_budget(preset, gpu_cap_gib, seq))]
             rec = run_one(cmd, out, f"{system} {placement or backend}", timeout_s)
             if rec is not None:
@@ -508,7 +395,7 @@ def _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeo
 
 
 def run_one(cmd: list[str], out: Path, label: str, timeout_s: float) -> StepRecord | None:
-    """One system's run (``cmd``, a ``kt_ft.bench_step`` subprocess writing ``out``); a timeout
+    """One system's run (``cmd``, a ``kt_ft.bench.step`` subprocess writing ``out``); a timeout
     or failure is printed with the run's last lines and gives None."""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -564,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu-cap-gib", type=float, default=24.0)
     p.add_argument("--placement", choices=["cpu", "auto", "stream"], default=None,
-                   help="kt-ft: placement bench system (kt_ft/bench_placement.py); default: the family rule")  # fmt: skip
+                   help="kt-ft: placement bench system (kt_ft/bench/placement.py); default: the family rule")  # fmt: skip
     p.add_argument(
         "--expert-budget", type=int, default=None, help="placement auto: the routed experts' GPU bytes"
     )

@@ -1,0 +1,6 @@
+"""`kt-ft bench`: the CPU expert op (``op``), a full training step per system (``step``, its
+random models ``models``), tokens/s against the GPU memory cap per placement (``placement``,
+its kt-ft side in a worker ``placement_system``) and LLaMA-Factory end to end (``e2e``).
+
+Kept empty: the CLI imports only the parts it runs.
+"""
