@@ -42,6 +42,14 @@ def _models(args: argparse.Namespace) -> int:
     return 0 if all(r.status != "error" for r in rows) else 1
 
 
+def _settings(args: argparse.Namespace) -> int:
+    """Every KT_FT_* environment switch: the registry's table (docs/how-it-works.md carries it)."""
+    from .settings import markdown_table  # why: lazy CLI
+
+    print(markdown_table(), end="")
+    return 0
+
+
 def _rules_list(args: argparse.Namespace) -> int:
     from .rules import builtin_rule_names, resolve_rule_path  # why: lazy CLI
 
@@ -357,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-cap", type=float, default=24.0, help="offload's GPU memory cap in GiB, for the full model"
     )
     bench.set_defaults(func=_bench)
+
+    sets = sub.add_parser("settings", help="every KT_FT_* environment switch: default, what it changes")
+    sets.set_defaults(func=_settings)
 
     conv = sub.add_parser(
         "convert", help="write a kt-ft adapter as a per-expert PEFT adapter (vLLM, SGLang, PEFT)"

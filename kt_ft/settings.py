@@ -11,12 +11,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# what a non-default value changes: "nothing" (the same numbers, another mechanism or a file),
+# "numerics" (another kernel or summation order: results within the tests' tolerances),
+# "placement" (which experts run where, hence the arithmetic's order)
+CHANGES = ("nothing", "numerics", "placement")
+
 
 @dataclass(frozen=True)
 class Setting:
     name: str
     default: str | None  # None: unset (the feature it names is off)
     help: str
+    changes: str = "nothing"  # one of CHANGES
+
+    def __post_init__(self) -> None:
+        if self.changes not in CHANGES:
+            raise ValueError(f"setting {self.name}: changes={self.changes!r}; valid: {', '.join(CHANGES)}")
 
 
 _ALL = (
@@ -33,10 +43,23 @@ _ALL = (
         "KT_FT_SHARED_DIR", "/dev/shm", "directory of the routed-expert file the ranks of a machine share"
     ),
     Setting("KT_FT_OVERLAP_SHARED", "1", "0: shared experts are not started beside the CPU expert op"),
-    Setting("KT_FT_GROUPED_DEVICE", "1", "0: GPU experts loop over experts instead of torch._grouped_mm"),
-    Setting("KT_FT_LORA_BMM", "1", "0: the torch CPU backend computes the expert LoRA one expert at a time"),
     Setting(
-        "KT_FT_SPREAD_RESIDENT", "1", "0: placement: auto keeps resident layers first, not spread in depth"
+        "KT_FT_GROUPED_DEVICE",
+        "1",
+        "0: GPU experts loop over experts instead of torch._grouped_mm",
+        "numerics",
+    ),
+    Setting(
+        "KT_FT_LORA_BMM",
+        "1",
+        "0: the torch CPU backend computes the expert LoRA one expert at a time",
+        "numerics",
+    ),
+    Setting(
+        "KT_FT_SPREAD_RESIDENT",
+        "1",
+        "0: placement: auto keeps resident layers first, not spread in depth",
+        "placement",
     ),
     Setting("KT_FT_CACHE_DIR", None, "directory of the measured machine rates (default ~/.cache/kt-ft)"),
     Setting(
@@ -72,6 +95,15 @@ def changed() -> dict[str, str]:
     return {
         s.name: os.environ[s.name] for s in _ALL if s.name in os.environ and os.environ[s.name] != s.default
     }
+
+
+def markdown_table() -> str:
+    """The registry as the Markdown table docs/how-it-works.md carries (a test keeps them equal)."""
+    rows = ["| variable | default | changes | effect |", "|---|---|---|---|"]
+    for x in _ALL:
+        default = f"`{x.default}`" if x.default is not None else "unset"
+        rows.append(f"| `{x.name}` | {default} | {x.changes} | {x.help} |")
+    return "\n".join(rows) + "\n"
 
 
 def log_changed(logger) -> None:

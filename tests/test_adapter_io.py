@@ -14,6 +14,7 @@ from kt_adapters import lf_load, logits
 from kt_ft.checkpoint import MANIFEST_FILE, verify_adapter_dir
 from kt_ft.errors import KTConfigError
 from kt_ft.moe.experts import KTExperts
+from kt_ft.settings import changed
 
 pytest.importorskip("llamafactory")
 
@@ -28,6 +29,7 @@ def test_saved_dir_layout(saved_adapter):
         "kt_expert_lora_master.safetensors",
     }
     assert manifest["lora"] == {"rank": 8, "alpha": 16, "use_rslora": False}
+    assert manifest["settings"] == changed()  # the KT_FT_* switches the save ran with, when not default
     assert manifest["fused_tensors"]["layers.1.experts.down_lora_b"] == {"shape": [8, 64, 8], "dtype": "BF16"}
     block = json.loads((out / "adapter_config.json").read_text())["kt_ft"]
     assert block["expert_targets"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]

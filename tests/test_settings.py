@@ -50,3 +50,14 @@ def test_values_defaults_and_the_log(monkeypatch, caplog):
     assert lines == [
         "setting KT_FT_GROUPED_DEVICE= off  (default 1): " + settings.SETTINGS["KT_FT_GROUPED_DEVICE"].help
     ]
+
+
+def test_the_docs_table_is_the_registry():
+    """docs/how-it-works.md carries ``kt-ft settings``'s table as it is: a switch added, renamed or
+    re-documented in kt_ft/settings.py without the docs fails here."""
+    from pathlib import Path
+
+    from kt_ft.settings import markdown_table
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "how-it-works.md").read_text()
+    assert markdown_table() in docs

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KTConfigError
+from ..settings import changed
 from .atomic import sha256_file, write_json_atomic
 from .fused import FUSED_FILE, MASTER_FILE, fused_header
 
@@ -99,6 +100,8 @@ def write_manifest(directory: str | os.PathLike, info: KTAdapterInfo, with_train
         "kt_ft_version": info.kt_ft_version,
         "base_model": {"name_or_path": info.base_model, "config_sha256": info.base_config_sha256},
         "lora": {"rank": info.rank, "alpha": info.alpha, "use_rslora": info.use_rslora},
+        # KT_FT_* switches this process ran with that are not their defaults (kt_ft/settings.py)
+        "settings": changed(),
         "experts": {
             "layers": info.layers,
             "num_experts": info.num_experts,
