@@ -33,6 +33,7 @@ from kt_adapters import lf_load  # noqa: E402
 from lf_runs import REPO, failure_text, finish, start_train  # noqa: E402
 
 from kt_ft.export import merge_adapter  # noqa: E402
+from kt_ft.kernels import BACKENDS  # noqa: E402
 
 METRICS_PACKAGES = ("jieba", "nltk", "rouge_chinese")  # LLaMA-Factory's `metrics` extra
 MISSING_METRICS = [p for p in METRICS_PACKAGES if importlib.util.find_spec(p) is None]
@@ -126,32 +127,50 @@ def _prompt_batch(model_dir: Path):
     return tok, batch
 
 
-def test_generate_matches_merged_model(saved_adapter, merged, demo_assets):
-    """kt-ft's experts (CPU op, no grad) generate a left-padded batch with the KV cache exactly as
-    the merged model does; the base model without the adapter generates otherwise (so the
-    comparison sees the expert LoRA)."""
+def _generate_kwargs(tok) -> dict:
+    return dict(
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id
+    )
+
+
+@pytest.fixture(scope="module")
+def merged_generation(merged, demo_assets):
+    """(prompt batch, generate kwargs, the merged model's greedy tokens), checked to differ from
+    the base model's: the adapter changes the tokens, so the comparison sees the expert LoRA."""
     from transformers import AutoModelForCausalLM
 
+    tok, batch = _prompt_batch(demo_assets / "model")
+    kw = _generate_kwargs(tok)
+    want = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval().generate(**batch, **kw)
+    base = AutoModelForCausalLM.from_pretrained(demo_assets / "model", dtype=torch.float32).eval()
+    assert not torch.equal(base.generate(**batch, **kw), want), "the adapter does not change the tokens"
+    return batch, kw, want
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_generate_matches_merged_model(backend, saved_adapter, merged_generation, demo_assets):
+    """kt-ft's experts (CPU op, no grad) generate a left-padded batch with the KV cache token for
+    token as the merged model does (greedy, fp32); each expert backend that runs fp32 here."""
+    reason = BACKENDS[backend].unavailable_reason(torch.float32)
+    if reason is not None:
+        pytest.skip(f"kt_backend {backend} cannot run the fp32 demo here: {reason}")
+    batch, kw, want = merged_generation
     _, adapter, _, _ = saved_adapter
-    model = lf_load(demo_assets, False, adapter_name_or_path=str(adapter))
+    model = lf_load(demo_assets, False, adapter_name_or_path=str(adapter), kt_backend=backend)
+    assert model._kt_ft_info.backend == backend
     experts = [m for m in model.modules() if hasattr(m, "runner")]
     assert len(experts) == 2
     calls = []
     for m in experts:
         m.register_forward_hook(lambda mod, args, out: calls.append(torch.is_grad_enabled()))
-    tok, batch = _prompt_batch(demo_assets / "model")
-    kw = dict(
-        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tok.pad_token_id
-    )
     got = model.generate(**batch, **kw)
     assert len(calls) == 2 * NEW_TOKENS and not any(calls), calls  # prefill + 11 cached steps, per layer
-    ref = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
-    want = ref.generate(**batch, **kw)
     assert got.shape == (len(PROMPTS), batch["input_ids"].shape[1] + NEW_TOKENS)
     assert torch.equal(got, want), f"kt-ft:\n{got}\nmerged:\n{want}"
-    assert torch.equal(model.generate(**batch, use_cache=False, **kw), got)  # the KV cache changes nothing
-    base = AutoModelForCausalLM.from_pretrained(demo_assets / "model", dtype=torch.float32).eval()
-    assert not torch.equal(base.generate(**batch, **kw), want), "adapter does not change the tokens"
+    if backend == "torch":
+        assert torch.equal(
+            model.generate(**batch, use_cache=False, **kw), got
+        )  # the KV cache changes nothing
 
 
 def _predict(demo_assets: Path, out: Path, **overrides) -> subprocess.Popen:
