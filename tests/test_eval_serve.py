@@ -113,6 +113,22 @@ def test_workflow_patch_restores_use_kt_when_run_sft_fails():
     assert model_args.use_kt is True
 
 
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_other_inference_engines_are_refused(backend):
+    """vLLM / SGLang load the weights themselves: kt-ft's experts and their LoRA would be missing."""
+    from types import SimpleNamespace
+
+    from llamafactory.extras.constants import EngineName
+
+    from kt_ft.errors import KTConfigError
+    from kt_ft.llamafactory.patches import check_kt_run
+
+    finetuning = SimpleNamespace(finetuning_type="lora", stage="sft")
+    check_kt_run(SimpleNamespace(infer_backend=EngineName.HF), finetuning)
+    with pytest.raises(KTConfigError, match=f"infer_backend='{backend}' with use_kt"):
+        check_kt_run(SimpleNamespace(infer_backend=EngineName(backend)), finetuning)
+
+
 def _prompt_batch(model_dir: Path):
     from transformers import AutoTokenizer
 

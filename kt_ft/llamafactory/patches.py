@@ -75,6 +75,13 @@ def check_kt_run(model_args: Any, finetuning_args: Any) -> None:
         problems.append(
             f"{src}: quantization_bit={model_args.quantization_bit!r} with use_kt: not supported (remove it)"
         )
+    backend = str(getattr(model_args, "infer_backend", "huggingface"))
+    if backend != "huggingface":
+        problems.append(
+            f"{src}: infer_backend={backend!r} with use_kt: only the huggingface engine runs kt-ft's experts "
+            "(and loads their LoRA); for vllm or sglang, `kt-ft convert` or `kt-ft merge` the adapter and set "
+            "use_kt: false"
+        )
     if getattr(finetuning_args, "use_dora", False):
         problems.append(f"{src}: use_dora=true with use_kt: expert LoRA is plain LoRA; remove use_dora")
     if problems:
