@@ -19,8 +19,8 @@ def lf_load(demo_assets, trainable, model_dir=None, **overrides):
         use_kt=True,
         cpu_infer=1,
         kt_backend="torch",
-        **overrides,
     )
+    args.update(overrides)
     if trainable:
         args.update(stage="sft", do_train=True, lora_target="all", lora_rank=8, lora_alpha=16,
                     dataset_dir=str(demo_assets / "data"), dataset="kt_demo", report_to="none")  # fmt: skip
