@@ -170,6 +170,12 @@ class ExpertBackend(ABC):
         ``spec``, None: the default), else why not."""
         return None
 
+    @classmethod
+    def auto_skip_reason(cls, dtype: torch.dtype | None = None, spec: ExpertSpec | None = None) -> str | None:
+        """None when ``auto`` may pick this backend where it runs, else why a later one is preferred
+        here (e.g. it was measured slower on this kind of CPU)."""
+        return None
+
     def prepare(self, weights: ExpertWeights, threads: int | None = None, max_tokens: int = 4096) -> None:  # noqa: B027
         """Called once per layer before the first call (e.g. to repack weights).
 

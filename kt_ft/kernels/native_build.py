@@ -40,7 +40,7 @@ def source_hash(src_dir: Path = SOURCE_DIR) -> str | None:
 
 def compiler() -> str | None:
     """$CXX, else g++, else c++ (None when none is on PATH)."""
-    for cand in (os.environ.get("CXX"), "g++", "c++"):  # noqa: kt-ft settings: CXX is the toolchain's
+    for cand in (os.environ.get("CXX"), "g++", "c++"):  # CXX: the toolchain convention, not a kt-ft setting
         if cand and shutil.which(cand):
             return cand
     return None
