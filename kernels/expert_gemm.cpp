@@ -59,6 +59,7 @@ struct Gemm {
     int64_t ldc;
     int64_t M, N, K;
     float beta;
+    int64_t zero_rows;  // rows M .. M + zero_rows of C are set to 0 (padding rows of the caller)
 };
 
 // ---------------------------------------------------------------- scalar path
@@ -237,7 +238,7 @@ int run(const std::vector<Gemm>& gemms, int threads, int isa) {
     if (isa < 0) return -2;  // asked for an ISA this CPU lacks
     std::vector<int64_t> first(gemms.size() + 1, 0);  // first work item of each product
     for (size_t i = 0; i < gemms.size(); ++i) {
-        const int64_t chunks = gemms[i].M > 0 ? (gemms[i].N + NC - 1) / NC : 0;
+        const int64_t chunks = gemms[i].M + gemms[i].zero_rows > 0 ? (gemms[i].N + NC - 1) / NC : 0;
         first[i + 1] = first[i] + chunks;
     }
     const int64_t items = first.back();
@@ -250,14 +251,18 @@ int run(const std::vector<Gemm>& gemms, int threads, int isa) {
         size_t g = 0;
         for (int64_t it; (it = next.fetch_add(1)) < items;) {
             while (first[g + 1] <= it) ++g;  // items are taken in increasing order per thread
-            const int64_t n0 = (it - first[g]) * NC, n1 = std::min(gemms[g].N, n0 + NC);
+            const Gemm& gm = gemms[g];
+            const int64_t n0 = (it - first[g]) * NC, n1 = std::min(gm.N, n0 + NC);
+            for (int64_t r = gm.M; r < gm.M + gm.zero_rows; ++r)
+                std::memset(gm.c + r * gm.ldc + n0, 0, (n1 - n0) * sizeof(float));
+            if (gm.M == 0) continue;
 #ifdef KTFT_X86
             if (isa != ISA_SCALAR) {
-                gemm_avx2(gemms[g], n0, n1, pack);
+                gemm_avx2(gm, n0, n1, pack);
                 continue;
             }
 #endif
-            gemm_scalar(gemms[g], n0, n1);
+            gemm_scalar(gm, n0, n1);
         }
         std::free(pack);
     };
@@ -269,9 +274,10 @@ int run(const std::vector<Gemm>& gemms, int threads, int isa) {
 }
 
 Gemm make(int trans_w, int64_t M, int64_t N, int64_t K, const float* a, int64_t lda, const bf16* w, int64_t ldw,
-          float* c, int64_t ldc, float beta) {
+          float* c, int64_t ldc, float beta, int64_t zero_rows = 0) {
     // trans_w (NT): C[M, N] = A[M, K] @ W[N, K]^T;  else (NN): C[M, N] = A[M, K] @ W[K, N]
-    return trans_w ? Gemm{a, lda, w, 1, ldw, c, ldc, M, N, K, beta} : Gemm{a, lda, w, ldw, 1, c, ldc, M, N, K, beta};
+    return trans_w ? Gemm{a, lda, w, 1, ldw, c, ldc, M, N, K, beta, zero_rows}
+                   : Gemm{a, lda, w, ldw, 1, c, ldc, M, N, K, beta, zero_rows};
 }
 
 }  // namespace
@@ -293,16 +299,17 @@ int ktft_gemm_bf16(int trans_w, int64_t M, int64_t N, int64_t K, const float* a,
 
 // Several experts' products in one call (one thread team, work balanced across them): product
 // i uses rows row0[i] .. row0[i] + rows[i] of A and C and expert expert[i]'s weight at
-// w + expert[i] * w_stride (elements). Shapes as in ktft_gemm_bf16.
+// w + expert[i] * w_stride (elements); then pad[i] rows of C (past its rows) are zeroed (pad may
+// be null: none). Shapes as in ktft_gemm_bf16.
 int ktft_grouped_gemm_bf16(int trans_w, int64_t groups, const int64_t* expert, const int64_t* row0,
-                           const int64_t* rows, int64_t N, int64_t K, const float* a, int64_t lda,
+                           const int64_t* rows, const int64_t* pad, int64_t N, int64_t K, const float* a, int64_t lda,
                            const uint16_t* w, int64_t w_stride, int64_t ldw, float* c, int64_t ldc, float beta,
                            int threads, int isa) {
     std::vector<Gemm> gemms;
     gemms.reserve(groups);
     for (int64_t i = 0; i < groups; ++i)
         gemms.push_back(make(trans_w, rows[i], N, K, a + row0[i] * lda, lda, w + expert[i] * w_stride, ldw,
-                             c + row0[i] * ldc, ldc, beta));
+                             c + row0[i] * ldc, ldc, beta, pad ? pad[i] : 0));
     return run(gemms, threads, isa);
 }
 

@@ -161,6 +161,7 @@ class _Layout:
     slices: list[tuple[int, slice]]
     groups: list[_Group]
     rows: int
+    used: list[int] | None = None  # rows per expert id before padding (its others are padding)
 
 
 def _layout(padded: list[int], order: list[int], batched: bool) -> _Layout:
@@ -244,6 +245,7 @@ def _route_layout(
     inv = torch.full((n,), n_rows - 1, dtype=torch.long)  # masked pairs: the null row
     inv[order] = row
     layout = _layout(padded.tolist(), e_order.tolist(), by_count and _lora_batched())
+    layout.used = counts.tolist()
     return tok, inv, ws, layout
 
 

@@ -56,7 +56,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     ]
     lib.ktft_grouped_gemm_bf16.restype = _int
     lib.ktft_grouped_gemm_bf16.argtypes = [
-        *(_int, _i64, _ptr, _ptr, _ptr, _i64, _i64),
+        *(_int, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64),
         *(_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _f32, _int, _int),
     ]
     return lib
@@ -190,6 +190,7 @@ def grouped_bf16(
     experts: torch.Tensor,
     row0: torch.Tensor,
     rows: torch.Tensor,
+    pad: torch.Tensor | None = None,
     beta: float = 0.0,
     threads: int | None = None,
     isa: str | None = None,
@@ -197,7 +198,8 @@ def grouped_bf16(
     """For each i: out[r:r+n] = beta * out[r:r+n] + a[r:r+n] @ op(w[e]) with (e, r, n) = (experts[i],
     row0[i], rows[i]); op(W) = W^T when ``trans_w`` (w [E, N, K], a [*, K], out [*, N]) else W
     (w [E, N, K], a [*, N], out [*, K]). a, out fp32; w bf16 with contiguous experts' rows;
-    experts/row0/rows int64 [G] (rows outside every range are left alone). Returns out."""
+    experts/row0/rows int64 [G]; ``pad`` int64 [G] or None: then out[r+n : r+n+pad[i]] = 0 (padding
+    rows); other rows of out are left alone. Returns out."""
     _check_2d("activations", a, torch.float32)
     _check_2d("out", out, torch.float32)
     if w.dtype != torch.bfloat16 or w.dim() != 3 or w.stride(2) != 1:
@@ -210,16 +212,20 @@ def grouped_bf16(
         raise ValueError(
             f"native grouped GEMM: a {tuple(a.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}"
         )
-    for name, t in (("experts", experts), ("row0", row0), ("rows", rows)):
+    for name, t in (("experts", experts), ("row0", row0), ("rows", rows), ("pad", pad)):
+        if t is None:
+            continue
         if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != experts.shape:
             raise ValueError(f"native grouped GEMM: {name} must be contiguous int64 like experts")
     if rows.numel():  # a wrong index would read or write outside the buffers: refuse it here
         if int(experts.min()) < 0 or int(experts.max()) >= w.shape[0]:
             raise ValueError("native grouped GEMM: expert index out of range")
-        if int(row0.min()) < 0 or int((row0 + rows).max()) > min(a.shape[0], out.shape[0]):
+        end = row0 + rows + (0 if pad is None else pad)
+        if int(row0.min()) < 0 or int(rows.min()) < 0 or int(end.max()) > min(a.shape[0], out.shape[0]):
             raise ValueError("native grouped GEMM: row range past the buffers")
     code = library().ktft_grouped_gemm_bf16(
-        int(trans_w), experts.numel(), experts.data_ptr(), row0.data_ptr(), rows.data_ptr(), n_out, k_in,
+        int(trans_w), experts.numel(), experts.data_ptr(), row0.data_ptr(), rows.data_ptr(),
+        None if pad is None else pad.data_ptr(), n_out, k_in,
         a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), w.stride(1),
         out.data_ptr(), out.stride(0), beta, _threads(threads), _isa(isa),
     )  # fmt: skip
