@@ -30,8 +30,10 @@ BACKENDS: dict[str, type[ExpertBackend]] = {
         NativeBackend,
     )
 }
-# `auto` tries these in order and takes the first that can run here.
-AUTO_ORDER = ("kt-kernel", "torch")
+# `auto` tries these in order and takes the first that can run here (and does not ask to be
+# passed over: ``auto_skip_reason``). native before torch: on CPUs without native bf16, torch's
+# bf16 GEMMs are ~1 GFLOP/s (NativeBackend.auto_note has the measurement).
+AUTO_ORDER = ("kt-kernel", "native", "torch")
 
 
 def select_backend(
@@ -49,7 +51,9 @@ def select_backend(
                 skipped.append(f"{candidate}: {skip}")
                 continue
             if reason is None:
-                why = f"auto: {candidate} is the fastest backend that runs here"
+                why = (
+                    f"auto: {candidate} is the fastest backend that runs here{BACKENDS[candidate].auto_note}"
+                )
                 # for experts only some backends compute, say why the faster ones were passed over
                 return BACKENDS[candidate](), why + (
                     f"; skipped {'; '.join(skipped)}" if special and skipped else ""

@@ -161,6 +161,7 @@ class ExpertBackend(ABC):
     """
 
     name: ClassVar[str]
+    auto_note: ClassVar[str] = ""  # appended to auto's log line when auto picks this backend
 
     @classmethod
     def unavailable_reason(
