@@ -203,3 +203,23 @@ def test_native_backend_availability_and_auto():
     else:
         assert backend.name == "native", why
     assert select_backend("auto", torch.float32)[0].name == "torch"
+
+
+def test_loader_without_a_library_says_how_to_build(tmp_path, monkeypatch):
+    """No installed library, an empty cache and run-time builds off: unavailable, with the command;
+    that command builds into the cache and the library loads from there."""
+    monkeypatch.setattr(nt, "PACKAGED_DIR", tmp_path / "none")
+    monkeypatch.setenv("KT_FT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KT_FT_NATIVE_BUILD", "0")
+    nt._load.cache_clear()
+    try:
+        why = nt.unavailable_reason()
+        assert why is not None and "KT_FT_NATIVE_BUILD=0" in why and "--build" in why
+        assert BACKENDS["native"].unavailable_reason(torch.bfloat16) == why
+        # the dev-tree build command (`python -m kt_ft.kernels.native --build`) fills the cache
+        assert nt.main(["--build"]) == 0
+        assert nt.unavailable_reason() is None
+        assert list((tmp_path / "cache" / "native").glob(f"*/{native_build.LIB_NAME}"))
+    finally:
+        monkeypatch.undo()
+        nt._load.cache_clear()
