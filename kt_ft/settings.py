@@ -61,6 +61,17 @@ _ALL = (
         "0: placement: auto keeps resident layers first, not spread in depth",
         "placement",
     ),
+    Setting(
+        "KT_FT_NATIVE_ISA",
+        "auto",
+        "native CPU GEMMs: scalar forces the plain C++ path (tests, comparisons), avx2 the AVX2+FMA one",
+        "numerics",
+    ),
+    Setting(
+        "KT_FT_NATIVE_BUILD",
+        "1",
+        "0: never compile the native CPU kernels at run time (only a library built at install is used)",
+    ),
     Setting("KT_FT_CACHE_DIR", None, "directory of the measured machine rates (default ~/.cache/kt-ft)"),
     Setting(
         "KT_FT_MEMORY_REPORT", None, "DIR: each rank writes its memory record there at the end of training"

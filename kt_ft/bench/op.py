@@ -4,13 +4,18 @@ For one MoE layer of a preset's real shape (random bf16 weights, LoRA r 8 with n
 times forward-with-saved-state + backward at each token count and reports tokens/s and the
 achieved TFLOP/s, counting 12*H*I*k FLOPs per token (the six base GEMMs; LoRA adds ~r/I more).
 Ceilings, measured in the same run: one expert's bf16 product at the average rows per expert
-(m = T*k/E), as a plain `x @ W.T` and (where oneDNN's bf16 path runs) prepacked.
+(m = T*k/E), as a plain `x @ W.T` and (where oneDNN's bf16 path runs) prepacked; and torch fp32
+GEMMs of the op's whole FLOP count (``fp32_ceiling``): at the op's own shapes (m rows against
+[2I, H] weights, cycling over distinct weights as the op does over experts) and as one dense
+[T*k, H] @ [H, 2I] product -- the rate a CPU without native bf16 could reach with an fp32 copy
+of the weights. Each op's share of the first is printed under the table.
 """
 
 from __future__ import annotations
 
 import json
 import platform
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -37,6 +42,12 @@ class Record:
     tflops: float
 
 
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def bench_op(
     p: Preset, layer, backend: str, tokens: int, threads: int, repeat: int, gen: torch.Generator
 ) -> Record:
@@ -50,9 +61,12 @@ def bench_gemm(p: Preset, tokens: int, threads: int, repeat: int, gen: torch.Gen
     x = torch.randn(m, p.hidden, generator=gen).to(torch.bfloat16)
     wt = torch.randn(p.inter, p.hidden, generator=gen).to(torch.bfloat16)
     flops = 2 * m * p.hidden * p.inter
-    reps = max(1, 2000 // max(1, m // 32))
     out = []
     torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    x @ wt.T
+    # ~0.2 s a timing: 2000 reps took minutes where torch's bf16 matmul runs at ~1 GFLOP/s (AVX2)
+    reps = max(1, min(2000 // max(1, m // 32), round(0.2 / max(time.perf_counter() - t0, 1e-6))))
 
     def plain():
         for _ in range(reps):
@@ -71,6 +85,40 @@ def bench_gemm(p: Preset, tokens: int, threads: int, repeat: int, gen: torch.Gen
         out.append(Record(f"gemm prepacked m={m}", "gemm", p.name, tokens, sec, None, flops / sec / 1e12))
     except RuntimeError as e:  # oneDNN's bf16 path needs AVX512-BF16/AMX or AVX-NE-CONVERT
         print(f"prepacked bf16 GEMM unavailable here: {str(e).splitlines()[0]}")
+    return out
+
+
+def fp32_ceiling(p: Preset, tokens: int, threads: int, repeat: int, gen: torch.Generator) -> list[Record]:
+    """torch fp32 GEMMs doing the op's FLOPs (12 H I k per token) at its shapes, and dense."""
+    torch.set_num_threads(threads)
+    total = 12 * p.hidden * p.inter * p.top_k * tokens
+    m = max(1, tokens * p.top_k // p.experts)
+    # distinct weights past the last-level cache, as the op streams its experts' weights
+    n_w = max(1, min(p.experts, (256 << 20) // (8 * p.inter * p.hidden)))
+    ws = [torch.randn(2 * p.inter, p.hidden, generator=gen) for _ in range(n_w)]
+    x = torch.randn(m, p.hidden, generator=gen)
+    reps = max(1, round(total / (4 * m * p.inter * p.hidden)))
+
+    def shaped():
+        for i in range(reps):
+            x @ ws[i % n_w].T
+
+    out = []
+    for w in ws:  # warm-up: one product per weight (the whole run once would double the cost)
+        x @ w.T
+    sec = min(_timed(shaped) for _ in range(max(1, repeat)))
+    out.append(Record(f"gemm fp32 m={m} (op FLOPs)", "gemm", p.name, tokens, sec, None, total / sec / 1e12))
+    xd = torch.randn(tokens * p.top_k, p.hidden, generator=gen)
+    reps_d = max(1, round(total / (4 * tokens * p.top_k * p.inter * p.hidden)))
+
+    def dense():
+        for _ in range(reps_d):
+            xd @ ws[0].T
+
+    sec = best_time(dense, repeat)
+    out.append(
+        Record(f"gemm fp32 m={tokens * p.top_k} dense", "gemm", p.name, tokens, sec, None, total / sec / 1e12)
+    )
     return out
 
 
@@ -103,6 +151,7 @@ def run(
     for t, n in tqdm(jobs, desc=f"bench {preset}", unit="case"):
         if n == "gemm":
             records.extend(bench_gemm(p, t, threads, repeat, gen))
+            records.extend(fp32_ceiling(p, t, threads, repeat, gen))
         elif n == "reference" and t * p.top_k > 8192 * 4 and preset != "tiny":
             continue  # the plain loop at this size takes minutes and adds nothing
         else:
@@ -113,10 +162,15 @@ def run(
     print(
         f"\n{preset}: H {p.hidden}, I {p.inter}, E {p.experts}, top-{p.top_k}, one layer, {threads} threads, fwd+bwd"
     )
-    print(f"{'name':<28}{'tokens':>8}{'ms':>10}{'tok/s':>10}{'TFLOP/s':>9}")
+    print(f"{'name':<32}{'tokens':>8}{'ms':>10}{'tok/s':>10}{'TFLOP/s':>9}")
     for r in records:
         tok = f"{r.tok_s:,.0f}" if r.tok_s else "-"
-        print(f"{r.name:<28}{r.tokens:>8}{r.seconds * 1e3:>10.2f}{tok:>10}{r.tflops:>9.3f}")
+        print(f"{r.name:<32}{r.tokens:>8}{r.seconds * 1e3:>10.2f}{tok:>10}{r.tflops:>9.3f}")
+    ceiling = {r.tokens: r for r in records if r.name.endswith("(op FLOPs)")}
+    for r in records:
+        if r.kind == "op" and r.tokens in ceiling:
+            c = ceiling[r.tokens]
+            print(f"{r.name} at {r.tokens} tokens: {r.tflops / c.tflops:.2f}x the same-run {c.name}")
     return records
 
 

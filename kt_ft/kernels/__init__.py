@@ -2,7 +2,9 @@
 
 ``reference`` is the ground truth (a loop over experts under autograd); ``torch`` is the
 portable grouped backend, ``torch-ep`` the same with experts in parallel threads (not picked by
-``auto`` until measured faster); ``kt-kernel`` runs kt-kernel's AMX/AVX512-BF16 SFT kernel where
+``auto`` until measured faster); ``native`` is ``torch`` with its frozen-base GEMMs in kt-ft's
+own C++ kernels (bf16 weights read in place, fp32 math: for CPUs without native bf16);
+``kt-kernel`` runs kt-kernel's AMX/AVX512-BF16 SFT kernel where
 the CPU and the installed kt-kernel build have it.
 """
 
@@ -15,14 +17,23 @@ from .base import LORA_NAMES, ExpertBackend, ExpertSpec, ExpertWeights, LoraTens
 from .grouped import GroupedTorchBackend
 from .grouped_parallel import ExpertParallelTorchBackend
 from .kt_kernel_backend import KTKernelBackend
+from .native_backend import NativeBackend
 from .reference import ReferenceBackend, reference_moe
 
 BACKENDS: dict[str, type[ExpertBackend]] = {
     cls.name: cls
-    for cls in (GroupedTorchBackend, ExpertParallelTorchBackend, ReferenceBackend, KTKernelBackend)
+    for cls in (
+        GroupedTorchBackend,
+        ExpertParallelTorchBackend,
+        ReferenceBackend,
+        KTKernelBackend,
+        NativeBackend,
+    )
 }
-# `auto` tries these in order and takes the first that can run here.
-AUTO_ORDER = ("kt-kernel", "torch")
+# `auto` tries these in order and takes the first that can run here (and does not ask to be
+# passed over: ``auto_skip_reason``). native before torch: on CPUs without native bf16, torch's
+# bf16 GEMMs are ~1 GFLOP/s (NativeBackend.auto_note has the measurement).
+AUTO_ORDER = ("kt-kernel", "native", "torch")
 
 
 def select_backend(
@@ -36,8 +47,13 @@ def select_backend(
         skipped = []
         for candidate in AUTO_ORDER:
             reason = BACKENDS[candidate].unavailable_reason(dtype, spec)
+            if reason is None and (skip := BACKENDS[candidate].auto_skip_reason(dtype, spec)) is not None:
+                skipped.append(f"{candidate}: {skip}")
+                continue
             if reason is None:
-                why = f"auto: {candidate} is the fastest backend that runs here"
+                why = (
+                    f"auto: {candidate} is the fastest backend that runs here{BACKENDS[candidate].auto_note}"
+                )
                 # for experts only some backends compute, say why the faster ones were passed over
                 return BACKENDS[candidate](), why + (
                     f"; skipped {'; '.join(skipped)}" if special and skipped else ""

@@ -161,6 +161,7 @@ class ExpertBackend(ABC):
     """
 
     name: ClassVar[str]
+    auto_note: ClassVar[str] = ""  # appended to auto's log line when auto picks this backend
 
     @classmethod
     def unavailable_reason(
@@ -168,6 +169,12 @@ class ExpertBackend(ABC):
     ) -> str | None:
         """None when this backend can run here (for expert weights of ``dtype`` and layout/activation
         ``spec``, None: the default), else why not."""
+        return None
+
+    @classmethod
+    def auto_skip_reason(cls, dtype: torch.dtype | None = None, spec: ExpertSpec | None = None) -> str | None:
+        """None when ``auto`` may pick this backend where it runs, else why a later one is preferred
+        here (e.g. it was measured slower on this kind of CPU)."""
         return None
 
     def prepare(self, weights: ExpertWeights, threads: int | None = None, max_tokens: int = 4096) -> None:  # noqa: B027

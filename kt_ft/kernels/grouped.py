@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import ExpertBackend, ExpertWeights, LoraTensors, accum_dtype
-from .grouped_layout import _Group, _Layout, _route_layout, _zero_null_rows
+from .grouped_layout import ROW_PAD, _Group, _Layout, _route_layout, _zero_null_rows
 from .grouped_variant import variant_backward, variant_forward
 
 
@@ -116,9 +116,38 @@ def _block_diag_b(gate_b: torch.Tensor, up_b: torch.Tensor) -> torch.Tensor:
 
 class GroupedTorchBackend(ExpertBackend):
     name = "torch"
+    row_pad = ROW_PAD  # rows of each expert padded to a multiple of this (see the module doc)
 
     def __init__(self) -> None:
         self._free: list[_SavedBuffers] = []
+
+    # --- what a subclass may replace: the compute dtype and the four frozen-base products ------
+
+    def _compute_dtype(self, base: ExpertWeights) -> torch.dtype:
+        """Dtype of the activations, LoRA copies and every temporary: the weights' own."""
+        return base.gate_up.dtype
+
+    def _gate_up(self, layout: _Layout, base: ExpertWeights, xs: torch.Tensor, out: torch.Tensor) -> None:
+        """out[rows of e] = xs[rows of e] @ gate_up[e]^T ([N, H] -> [N, 2I]), every expert with rows."""
+        self._for_experts(layout, lambda e, sl: torch.mm(xs[sl], base.gate_up[e].t(), out=out[sl]))
+
+    def _down(self, layout: _Layout, base: ExpertWeights, h: torch.Tensor, out: torch.Tensor) -> None:
+        """out[rows of e] = h[rows of e] @ down[e]^T ([N, I] -> [N, H])."""
+
+        def down(e, sl):
+            out[sl] = torch.mm(h[sl], base.down[e].t())  # out= takes a 2.5x slower path here
+
+        self._for_experts(layout, down)
+
+    def _down_grad(self, layout: _Layout, base: ExpertWeights, gys: torch.Tensor, out: torch.Tensor) -> None:
+        """out[rows of e] = gys[rows of e] @ down[e] ([N, H] -> [N, I]): grad through the frozen down."""
+        self._for_experts(layout, lambda e, sl: torch.mm(gys[sl], base.down[e], out=out[sl]))
+
+    def _gate_up_grad(
+        self, layout: _Layout, base: ExpertWeights, dgu: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """out[rows of e] = dgu[rows of e] @ gate_up[e] ([N, 2I] -> [N, H])."""
+        self._for_experts(layout, lambda e, sl: torch.mm(dgu[sl], base.gate_up[e], out=out[sl]))
 
     def _for_experts(self, layout: _Layout, *products: Callable[[int, slice], object]) -> None:
         """Run every ``product(e, rows)`` for each expert e with rows, kind by kind: alternating big
@@ -143,7 +172,7 @@ class GroupedTorchBackend(ExpertBackend):
     def forward(self, x, ids, weights, base: ExpertWeights, lora: LoraTensors, scaling, needs_grad):
         if not base.is_plain:  # transposed / interleaved / biased / clamped experts (gpt_oss)
             return variant_forward(x, ids, weights, base, lora, scaling, needs_grad)
-        dt = base.gate_up.dtype
+        dt = self._compute_dtype(base)
         num_experts, two_i, hidden = base.gate_up.shape
         inter = two_i // 2
         rank = lora.gate_a.shape[1]
@@ -153,7 +182,7 @@ class GroupedTorchBackend(ExpertBackend):
         a_gu = torch.cat([lc.gate_a, lc.up_a], dim=1)
         b_gu = _block_diag_b(lc.gate_b, lc.up_b)
 
-        tok, inv, ws, layout = _route_layout(ids, weights.to(dt), num_experts)
+        tok, inv, ws, layout = _route_layout(ids, weights.to(dt), num_experts, row_pad=self.row_pad)
         n_pairs = tok.numel()
         saved = self._take_saved() if needs_grad else None
 
@@ -171,7 +200,7 @@ class GroupedTorchBackend(ExpertBackend):
             lambda g: torch.bmm(g.view(xs), g.pick(a_gu).transpose(1, 2), out=g.view(p)),
             lambda g: torch.bmm(g.view(p), g.pick(b_gu).transpose(1, 2), out=g.view(lo)),
         )
-        self._for_experts(layout, lambda e, sl: torch.mm(xs[sl], base.gate_up[e].t(), out=gu[sl]))
+        self._gate_up(layout, base, xs, gu)
         gu.add_(lo, alpha=s)
         lo = None  # the workspace view is free again
 
@@ -180,15 +209,12 @@ class GroupedTorchBackend(ExpertBackend):
         pd = buf("pd", rank)
         lo = _WS.get("f_lo_d", (n_pairs, hidden), dt)
 
-        def down(e, sl):
-            d[sl] = torch.mm(h[sl], base.down[e].t())  # out= takes a 2.5x slower path here
-
         self._for_groups(
             layout,
             lambda g: torch.bmm(g.view(h), g.pick(lc.down_a).transpose(1, 2), out=g.view(pd)),
             lambda g: torch.bmm(g.view(pd), g.pick(lc.down_b).transpose(1, 2), out=g.view(lo)),
         )
-        self._for_experts(layout, down)
+        self._down(layout, base, h, d)
         d.add_(lo, alpha=s)
         lo = h = None  # free h (the products above capture these names)
         _zero_null_rows(d, layout.counts)
@@ -228,7 +254,7 @@ class GroupedTorchBackend(ExpertBackend):
         qa = torch.empty(n_pairs, rank, dtype=dt)
         lay = ctx.layout
         self._for_groups(lay, lambda g: torch.bmm(g.view(gys), g.pick(lc.down_b), out=g.view(qa)))
-        self._for_experts(lay, lambda e, sl: torch.mm(gys[sl], base.down[e], out=q[sl]))
+        self._down_grad(lay, base, gys, q)
         # summed in the compute dtype (its CPU reduction accumulates in float32) and then widened:
         # sum(dtype=float32) first copied the [N, I] product to float32 (2.5x slower for this line)
         grad_ws = (h * q).sum(-1).to(acc) + s * (ctx.pd * qa).sum(-1).to(acc)  # [N]
@@ -268,7 +294,7 @@ class GroupedTorchBackend(ExpertBackend):
             lambda g: g.put(da_gu, torch.bmm(g.view(dp).transpose(1, 2), g.view(ctx.xs))),
             lambda g: torch.bmm(g.view(dp), g.pick(ctx.a_gu), out=g.view(lo)),
         )
-        self._for_experts(lay, lambda e, sl: torch.mm(dgu[sl], base.gate_up[e], out=dxs[sl]))
+        self._gate_up_grad(lay, base, dgu, dxs)
         dxs.add_(lo)
         lo = None
         _zero_null_rows(dxs, lay.counts)

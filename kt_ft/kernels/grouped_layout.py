@@ -70,6 +70,7 @@ class _Layout:
     slices: list[tuple[int, slice]]
     groups: list[_Group]
     rows: int
+    used: list[int] | None = None  # rows per expert id before padding (its others are padding)
 
 
 def _layout(padded: list[int], order: list[int], batched: bool) -> _Layout:
@@ -107,8 +108,10 @@ def _lora_batched() -> bool:
     return enabled("KT_FT_LORA_BMM")
 
 
-def _route_layout(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, by_count: bool = True):
-    """Sort the T*k (token, slot) pairs by expert, each expert's rows padded to ROW_PAD.
+def _route_layout(
+    ids: torch.Tensor, weights: torch.Tensor, num_experts: int, by_count: bool = True, row_pad: int = ROW_PAD
+):
+    """Sort the T*k (token, slot) pairs by expert, each expert's rows padded to ``row_pad``.
 
     Pairs with a negative id are *masked* (computed elsewhere, e.g. by GPU-resident experts):
     they get no row of their own; all of them point at one extra "null" row after the experts'
@@ -131,7 +134,7 @@ def _route_layout(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, by
     m = flat.numel()
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
-    padded = (counts + ROW_PAD - 1) // ROW_PAD * ROW_PAD
+    padded = (counts + row_pad - 1) // row_pad * row_pad
     start = torch.cumsum(counts, 0) - counts  # first sorted pair of each expert
     ar = torch.arange(num_experts)
     # the experts in row order: by padded count (stable: ties by id), or by id
@@ -151,6 +154,7 @@ def _route_layout(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, by
     inv = torch.full((n,), n_rows - 1, dtype=torch.long)  # masked pairs: the null row
     inv[order] = row
     layout = _layout(padded.tolist(), e_order.tolist(), by_count and _lora_batched())
+    layout.used = counts.tolist()
     return tok, inv, ws, layout
 
 

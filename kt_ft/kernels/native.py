@@ -1,0 +1,259 @@
+"""kt-ft's own C++ CPU GEMMs (``kernels/expert_gemm.cpp``) through ctypes: bf16 weights read in
+place, fp32 activations and outputs.
+
+* ``gemm_bf16_nt(x, w, out, beta)``: out[M, N] = beta * out + x[M, K] @ w[N, K]^T (forward);
+* ``gemm_bf16_nn(dy, w, out, beta)``: out[M, K] = beta * out + dy[M, N] @ w[N, K] (backward);
+* ``grouped_bf16(...)``: one product per expert over row ranges of shared buffers, one call.
+
+The library is looked for, in order: the one built at install (``_native/`` beside this file;
+in a source tree only if built from the current sources), then the per-user cache
+(``KT_FT_CACHE_DIR``/native/<source hash>/), which is compiled on first use when
+``KT_FT_NATIVE_BUILD`` allows. ``python -m kt_ft.kernels.native --build`` builds it now.
+``unavailable_reason()`` says why it cannot be used (with the compiler's output).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+from ..settings import enabled, get
+from . import native_build
+
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2}
+PACKAGED_DIR = Path(__file__).resolve().parent / "_native"
+_i64, _int, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_ptr = ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    root = get("KT_FT_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "kt-ft") / "native"
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.ktft_best_isa.restype = _int
+    lib.ktft_abi_version.restype = _int
+    lib.ktft_gemm_bf16.restype = _int
+    lib.ktft_gemm_bf16.argtypes = [
+        _int,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _f32,
+        _int,
+        _int,
+    ]
+    lib.ktft_grouped_gemm_bf16.restype = _int
+    lib.ktft_grouped_gemm_bf16.argtypes = [
+        *(_int, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64),
+        *(_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _f32, _int, _int),
+    ]
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library, "") or (None, why not). Built at most once a process."""
+    current = native_build.source_hash()
+    packaged = PACKAGED_DIR / native_build.LIB_NAME
+    hash_file = PACKAGED_DIR / native_build.HASH_NAME
+    candidates = []
+    if packaged.exists() and (current is None or (hash_file.exists() and hash_file.read_text() == current)):
+        candidates.append(packaged)
+    if current is not None:
+        candidates.append(cache_dir() / current / native_build.LIB_NAME)
+    if not candidates:
+        return None, f"no built library at {packaged} and no sources to build it from"
+    lib_path = next((p for p in candidates if p.exists()), None)
+    if lib_path is None:
+        if not enabled("KT_FT_NATIVE_BUILD"):
+            return (
+                None,
+                f"not built (KT_FT_NATIVE_BUILD=0; build with `{sys.executable} -m kt_ft.kernels.native --build`)",
+            )
+        lib_path, why = native_build.build(candidates[-1].parent)
+        if lib_path is None:
+            return None, f"could not build the native CPU kernels: {why}"
+    try:
+        return _bind(ctypes.CDLL(str(lib_path))), ""
+    except (OSError, AttributeError) as e:
+        return None, f"could not load {lib_path}: {e}"
+
+
+def unavailable_reason() -> str | None:
+    return _load()[1] or None
+
+
+def library() -> ctypes.CDLL:
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(why)
+    return lib
+
+
+def best_isa() -> str:
+    """The fastest path the library runs on this CPU: ``avx2`` or ``scalar``."""
+    code = library().ktft_best_isa()
+    return {v: k for k, v in ISAS.items()}.get(code, str(code))
+
+
+def _isa(isa: str | None) -> int:
+    isa = isa or get("KT_FT_NATIVE_ISA")
+    if isa not in ISAS:
+        raise ValueError(f"native ISA {isa!r}; valid: {', '.join(ISAS)} (KT_FT_NATIVE_ISA)")
+    return ISAS[isa]
+
+
+def _check_2d(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"native GEMM: {name} must be {dtype}, got {t.dtype}")
+    if t.device.type != "cpu" or t.dim() != 2:
+        raise ValueError(f"native GEMM: {name} must be a 2-D CPU tensor, got {t.dim()}-D on {t.device}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"native GEMM: {name} rows must be contiguous (stride(1) == 1), got {t.stride()}")
+
+
+def _threads(threads: int | None) -> int:
+    return max(1, threads or torch.get_num_threads())
+
+
+def _call_status(code: int, isa: str | None) -> None:
+    if code < 0:
+        raise RuntimeError(
+            f"native GEMM refused (code {code}): ISA {isa or get('KT_FT_NATIVE_ISA')!r} not on this CPU"
+        )
+
+
+def gemm_bf16_nt(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    beta: float = 0.0,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """out[M, N] = beta * out + x[M, K] @ w[N, K]^T; x, out fp32, w bf16, rows contiguous (any row
+    stride). beta 0 never reads out. Returns out."""
+    return _gemm(1, x, w, out, beta, threads, isa)
+
+
+def gemm_bf16_nn(
+    dy: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    beta: float = 0.0,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """out[M, K] = beta * out + dy[M, N] @ w[N, K]; dy, out fp32, w bf16. Returns out."""
+    return _gemm(0, dy, w, out, beta, threads, isa)
+
+
+def _gemm(trans_w, a, w, out, beta, threads, isa):
+    for name, t, dt in (
+        ("activations", a, torch.float32),
+        ("w", w, torch.bfloat16),
+        ("out", out, torch.float32),
+    ):
+        _check_2d(name, t, dt)
+    m, k_in = a.shape
+    n_out, k_w = (w.shape[0], w.shape[1]) if trans_w else (w.shape[1], w.shape[0])
+    if k_w != k_in or tuple(out.shape) != (m, n_out):
+        kind = "x[M, K] @ w[N, K]^T" if trans_w else "dy[M, N] @ w[N, K]"
+        raise ValueError(
+            f"native GEMM {kind}: shapes {tuple(a.shape)}, {tuple(w.shape)} -> out {tuple(out.shape)}"
+        )
+    code = library().ktft_gemm_bf16(
+        trans_w, m, n_out, k_in, a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0),
+        out.data_ptr(), out.stride(0), beta, _threads(threads), _isa(isa),
+    )  # fmt: skip
+    _call_status(code, isa)
+    return out
+
+
+def grouped_bf16(
+    trans_w: bool,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    experts: torch.Tensor,
+    row0: torch.Tensor,
+    rows: torch.Tensor,
+    pad: torch.Tensor | None = None,
+    beta: float = 0.0,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """For each i: out[r:r+n] = beta * out[r:r+n] + a[r:r+n] @ op(w[e]) with (e, r, n) = (experts[i],
+    row0[i], rows[i]); op(W) = W^T when ``trans_w`` (w [E, N, K], a [*, K], out [*, N]) else W
+    (w [E, N, K], a [*, N], out [*, K]). a, out fp32; w bf16 with contiguous experts' rows;
+    experts/row0/rows int64 [G]; ``pad`` int64 [G] or None: then out[r+n : r+n+pad[i]] = 0 (padding
+    rows); other rows of out are left alone. Returns out."""
+    _check_2d("activations", a, torch.float32)
+    _check_2d("out", out, torch.float32)
+    if w.dtype != torch.bfloat16 or w.dim() != 3 or w.stride(2) != 1:
+        raise ValueError(
+            f"native grouped GEMM: w must be bf16 [E, N, K] with contiguous rows, got {w.dtype} {w.stride()}"
+        )
+    n_w, k_w = w.shape[1:]
+    k_in, n_out = (k_w, n_w) if trans_w else (n_w, k_w)
+    if a.shape[1] != k_in or out.shape[1] != n_out:
+        raise ValueError(
+            f"native grouped GEMM: a {tuple(a.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}"
+        )
+    for name, t in (("experts", experts), ("row0", row0), ("rows", rows), ("pad", pad)):
+        if t is None:
+            continue
+        if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != experts.shape:
+            raise ValueError(f"native grouped GEMM: {name} must be contiguous int64 like experts")
+    if rows.numel():  # a wrong index would read or write outside the buffers: refuse it here
+        if int(experts.min()) < 0 or int(experts.max()) >= w.shape[0]:
+            raise ValueError("native grouped GEMM: expert index out of range")
+        end = row0 + rows + (0 if pad is None else pad)
+        if int(row0.min()) < 0 or int(rows.min()) < 0 or int(end.max()) > min(a.shape[0], out.shape[0]):
+            raise ValueError("native grouped GEMM: row range past the buffers")
+    code = library().ktft_grouped_gemm_bf16(
+        int(trans_w), experts.numel(), experts.data_ptr(), row0.data_ptr(), rows.data_ptr(),
+        None if pad is None else pad.data_ptr(), n_out, k_in,
+        a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), w.stride(1),
+        out.data_ptr(), out.stride(0), beta, _threads(threads), _isa(isa),
+    )  # fmt: skip
+    _call_status(code, isa)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kt_ft.kernels.native --build``: compile into the cache now and report."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kt_ft.kernels.native", description=main.__doc__)
+    ap.add_argument("--build", action="store_true", help="(re)build the library into the cache dir")
+    args = ap.parse_args(argv)
+    if args.build:
+        digest = native_build.source_hash()
+        if digest is None:
+            print(f"no sources at {native_build.SOURCE_DIR}")
+            return 1
+        lib, why = native_build.build(cache_dir() / digest)
+        print(lib or why)
+        if lib is None:
+            return 1
+        _load.cache_clear()
+    why = unavailable_reason()
+    print(f"native CPU kernels: {'unavailable: ' + why if why else 'ok, best ISA ' + best_isa()}")
+    return 0 if why is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""``native`` backend: the ``torch`` backend's algorithm (``grouped.py``) computed in fp32, with its
+four frozen-base products through kt-ft's own C++ GEMMs (``native.py``), which read the bf16
+expert weights in place and convert them to fp32 inside the packed tile.
+
+Why: on a CPU without native bf16 arithmetic (AVX2, no AVX512-BF16/AMX) torch's bf16 matmul
+runs at ~1 GFLOP/s while fp32 GEMMs run at tens; an fp32 copy of the weights would double the
+experts' RAM. Everything else (the rank-r LoRA products, activations, routing sums) stays in
+torch, in fp32.
+
+Differences from ``torch``: activations and temporaries are fp32 (twice the bytes of bf16 ones),
+and the padding rows of each expert (``ROW_PAD``: kept, as they let the LoRA products run one
+``bmm`` per group of experts with equal padded counts) are not computed by the base products, only
+zeroed (padding was for oneDNN's per-shape kernel cache; here it would be computed for nothing:
+~7.5 of ~55 rows an expert at 512 tokens of DeepSeek-V2-Lite). Only the default silu layout;
+weights that are not bf16 go through torch's own GEMMs (the ``torch`` backend's path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import KTConfigError
+from . import native
+from .base import ExpertWeights
+from .grouped import GroupedTorchBackend, _Layout
+
+BF16 = torch.bfloat16
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX, where torch's oneDNN bf16 GEMMs are fast (torch's own CPU probe)."""
+    cpu = torch._C._cpu
+    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+
+
+class NativeBackend(GroupedTorchBackend):
+    name = "native"
+    auto_note = (
+        " (CPU without native bf16; measured on a 2-core AVX2 EPYC, DeepSeek-V2-Lite layer, fwd+bwd: "
+        "native 24 GFLOP/s at 512 tokens, 7.3 at 128, where the torch backend ran 0.25; docs/benchmarks.md)"
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._threads: int | None = None
+
+    @classmethod
+    def unavailable_reason(cls, dtype: torch.dtype | None = None, spec=None) -> str | None:
+        if spec is not None and not spec.is_default:
+            return (
+                f"the native backend computes silu(gate) * up on [E, 2I, H] weights only, these experts "
+                f"are {spec.describe()}: use kt_backend torch"
+            )
+        if dtype is not None and dtype != BF16:
+            return (
+                f"it reads bf16 expert weights, the model's are {dtype} (torch's own GEMMs already run "
+                "that dtype natively: use kt_backend torch)"
+            )
+        return native.unavailable_reason()
+
+    @classmethod
+    def auto_skip_reason(cls, dtype: torch.dtype | None = None, spec=None) -> str | None:
+        if cpu_has_native_bf16():
+            # not measured against oneDNN's AMX / AVX512-BF16 kernels yet: keep what was measured
+            return "this CPU has native bf16 (AVX512-BF16/AMX), where torch's bf16 GEMMs run natively"
+        return None
+
+    def prepare(self, base: ExpertWeights, threads: int | None = None, max_tokens: int = 4096) -> None:
+        if not base.is_plain:
+            raise KTConfigError(f"kt_backend='native': {self.unavailable_reason(None, base.spec)}")
+        why = native.unavailable_reason()
+        if why is not None and base.gate_up.dtype == BF16:
+            raise KTConfigError(f"kt_backend='native': {why}")
+        self._threads = threads
+
+    def _native(self, base: ExpertWeights) -> bool:
+        return base.gate_up.dtype == BF16
+
+    def _compute_dtype(self, base: ExpertWeights) -> torch.dtype:
+        return torch.float32 if self._native(base) else base.gate_up.dtype
+
+    def _grouped(self, trans_w: bool, layout: _Layout, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor):
+        # one call per product kind for all experts: one thread team, work balanced across experts
+        plan = getattr(layout, "_native_plan", None)
+        if plan is None:
+            used = layout.used
+            rows = [(e, sl.start, used[e], sl.stop - sl.start - used[e]) for e, sl in layout.slices]
+            plan = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).t().contiguous()
+            layout._native_plan = plan  # the layout is per call: made once, used by all four products
+        threads = self._threads or torch.get_num_threads()
+        native.grouped_bf16(trans_w, a, w, out, plan[0], plan[1], plan[2], plan[3], threads=threads)
+
+    def _gate_up(self, layout, base, xs, out):
+        if not self._native(base):
+            return super()._gate_up(layout, base, xs, out)
+        self._grouped(True, layout, base.gate_up, xs, out)
+
+    def _down(self, layout, base, h, out):
+        if not self._native(base):
+            return super()._down(layout, base, h, out)
+        self._grouped(True, layout, base.down, h, out)
+
+    def _down_grad(self, layout, base, gys, out):
+        if not self._native(base):
+            return super()._down_grad(layout, base, gys, out)
+        self._grouped(False, layout, base.down, gys, out)
+
+    def _gate_up_grad(self, layout, base, dgu, out):
+        if not self._native(base):
+            return super()._gate_up_grad(layout, base, dgu, out)
+        self._grouped(False, layout, base.gate_up, dgu, out)
