@@ -64,7 +64,6 @@ TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
         enable_moe_block=True,
         global_head_dim=16,
         hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=97,
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=8,
     ),  # fmt: skip
@@ -87,7 +86,9 @@ def tiny_config(model_type: str, **overrides):
     keys = set(text.to_dict()) | set(getattr(type(text), "attribute_map", {}))
     shrunk = {k: v for k, v in SHRINK.items() if k in keys}
     shrunk |= TYPE_OVERRIDES.get(model_type, {}) | overrides
-    if "vocab_size_per_layer_input" in keys:  # Gemma's per-layer embeddings index the same tokens
+    if "vocab_size_per_layer_input" in keys:
+        # Gemma's per-layer embeddings are indexed by the same token ids as embed_tokens: they follow
+        # vocab_size (make-demo-model sets it to its tokenizer's size) unless set explicitly.
         shrunk.setdefault("vocab_size_per_layer_input", shrunk["vocab_size"])
     if text is not default:  # composite: the language model's keys go to its text config
         return AutoConfig.for_model(model_type, text_config=shrunk)
