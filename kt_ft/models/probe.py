@@ -6,7 +6,8 @@ with ``use_experts_implementation``; ``probe(model_type)`` builds a tiny random 
 runs it twice on the same random tokens -- experts computed by transformers' ``eager`` and by
 kt-ft's CPU op through the ``"kt_ft"`` experts implementation (``dispatch.py``) -- and compares
 the logits (fp32, max abs difference <= 1e-4). ``kt-ft models --write docs/models.md`` writes
-the table (``models_markdown``); tests/test_interface_families.py checks training parity.
+the table (``models_markdown``); tests/test_interface_families.py checks training parity; with
+``--lf`` each supported type also trains through ``llamafactory-cli train`` (``lf_check.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .lf_check import LOSS_RTOL
 
 LOGITS_ATOL = 1e-4  # fp32; kernels sum in another order than eager
 
@@ -57,6 +60,7 @@ class ProbeRow:
     rule: str = ""
     detail: str = ""  # refusal reason, error, or the logits difference
     seconds: float = 0.0
+    lf: str = "not run"  # `kt-ft models --lf`: lf_check.LfCheck.cell()
 
 
 def randomize_routing(model) -> None:
@@ -121,6 +125,18 @@ def probe(model_type: str, seed: int = 0) -> ProbeRow:
     return row
 
 
+LF_COLUMN_DOC = (
+    "The last column is `kt-ft models --lf` (`kt_ft/models/lf_check.py`): the type's "
+    "`kt-ft make-demo-model --family <type>` demo trained by two `llamafactory-cli train` subprocesses "
+    "that differ only in `use_kt` (true / false), fp32, learning rate 0, seed 42, a few steps; *pass* "
+    "when the per-step losses LLaMA-Factory logs agree to a relative {rtol:g}; *LF cannot train* when "
+    "the run without kt-ft fails too (the reason is LLaMA-Factory's); *not run* when the type is "
+    "refused or `--lf` was not given. The template is the type's LLaMA-Factory template (the demo "
+    "tokenizer has its stop words), or `qwen` (the demo tokenizer's ChatML) where the type has none "
+    "or its template needs a processor."
+)
+
+
 def models_markdown(rows: list[ProbeRow], transformers_version: str) -> str:
     """docs/models.md: the probe's table (generated; not edited by hand)."""
     lines = [
@@ -135,10 +151,15 @@ def models_markdown(rows: list[ProbeRow], transformers_version: str) -> str:
         "`tests/test_interface_families.py`. Composite (vision-language) types use their language model's "
         "row (e.g. `qwen3_5_moe` -> `qwen3_5_moe_text`).",
         "",
-        "| model_type | status | experts class | layout / activation | built-in rule | detail |",
-        "|---|---|---|---|---|---|",
+        "",
+        LF_COLUMN_DOC.format(rtol=LOSS_RTOL),
+        "",
+        "| model_type | status | experts class | layout / activation | built-in rule | detail | LLaMA-Factory lr-0 parity |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        detail = r.detail.replace("|", "\\|")
-        lines.append(f"| {r.model_type} | {r.status} | {r.experts} | {r.layout} | {r.rule} | {detail} |")
+        detail, lf = (text.replace("|", "\\|") for text in (r.detail, r.lf))
+        lines.append(
+            f"| {r.model_type} | {r.status} | {r.experts} | {r.layout} | {r.rule} | {detail} | {lf} |"
+        )
     return "\n".join(lines) + "\n"
