@@ -32,13 +32,25 @@ def _models(args: argparse.Namespace) -> int:
             f"{row.model_type}\t{row.status}\t{row.layout or row.detail[:160]}\t{row.seconds:.1f}s",
             flush=True,
         )
-        if args.lf:
-            row.lf = _lf_cell(row, args.lf_dir)
-            print(f"{row.model_type}\tLLaMA-Factory: {row.lf}", flush=True)
+    if args.lf:
+        _lf_cells(rows, args.lf_dir, args.lf_jobs)
     if args.write:
         Path(args.write).write_text(models_markdown(rows, transformers.__version__))
         print(f"wrote {args.write}")
     return 0 if all(r.status != "error" and not r.lf.startswith("fail") for r in rows) else 1
+
+
+def _lf_cells(rows, lf_dir: str | None, jobs: int) -> None:
+    """Fill each row's LLaMA-Factory column, ``jobs`` types at a time: a type's two runs wait mostly
+    on their subprocesses (threads suffice; ``lf_check`` makes one demo at a time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(row):
+        row.lf = _lf_cell(row, lf_dir)
+        print(f"{row.model_type}\tLLaMA-Factory: {row.lf}", flush=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(one, rows))
 
 
 def _lf_cell(row, lf_dir: str | None) -> str:
@@ -291,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the losses (minutes)")  # fmt: skip
     models.add_argument("--lf-dir", default=None, help="with --lf: keep each type's demo, recipes and logs "
                         "under DIR/<type> (default: a temporary directory)")  # fmt: skip
+    models.add_argument("--lf-jobs", type=int, default=1, help="with --lf: types checked at once (each runs "
+                        "two llamafactory-cli processes side by side)")  # fmt: skip
     models.set_defaults(func=_models)
 
     bench = sub.add_parser(

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,9 @@ EXPERT_SCALE = 2.0
 STEPS = 3
 FALLBACK_TEMPLATE = "qwen"  # the demo tokenizer's own (ChatML) tokens
 RUN_TIMEOUT_S = 900
+# Demos are made one at a time (`kt-ft models --lf-jobs`): their weights come from torch's global
+# seed, which concurrent makers would interleave.
+_DEMO_LOCK = threading.Lock()
 
 
 @dataclass
@@ -210,8 +214,9 @@ def lf_parity(model_type: str, workdir: Path, steps: int = STEPS) -> LfCheck:
     try:
         template, check.template_note = demo_template(family_of(tiny_config(model_type)).template)
         check.template = template
-        demo = make_demo_model(workdir / "demo", family=model_type)
-        sharpen_demo(demo / "model")
+        with _DEMO_LOCK:
+            demo = make_demo_model(workdir / "demo", family=model_type)
+            sharpen_demo(demo / "model")
         procs = {
             kt: start_run(
                 recipe(demo, workdir / f"use_kt_{kt}", template, kt, steps), workdir, f"use_kt_{kt}"
