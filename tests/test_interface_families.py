@@ -184,6 +184,20 @@ def test_tiny_gemma_per_layer_vocab_follows_vocab_size():
     )
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa"])
+def test_tiny_mla_runs_sdpa_with_padding(model_type):
+    """MLA keys carry every head: a tiny MLA config with fewer kv heads failed in LLaMA-Factory
+    (SDPA with a padding mask repeats the keys by heads // kv_heads)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0
+    model(input_ids=torch.randint(3, 90, (2, 8)), attention_mask=mask)
+
+
 def test_dense_model_refused():
     with pytest.raises(
         KTConfigError, match="model_type='llama' is not supported.*use_experts_implementation"

@@ -48,9 +48,12 @@ SHRINK: dict[str, Any] = dict(
 
 # What a type needs beyond SHRINK (why, per line).
 TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
-    # MLA: HF's rotary embedding takes head_dim, which must be the rope part
-    "deepseek_v3": dict(head_dim=8),
-    "glm4_moe_lite": dict(head_dim=8),
+    # MLA: HF's rotary embedding takes head_dim, which must be the rope part; keys carry every
+    # head, so num_key_value_heads must equal num_attention_heads (SDPA with a padding mask
+    # repeats the keys by heads // kv_heads and fails otherwise)
+    "deepseek_v2": dict(num_key_value_heads=4),
+    "deepseek_v3": dict(head_dim=8, num_key_value_heads=4),
+    "glm4_moe_lite": dict(head_dim=8, num_key_value_heads=4),
     "glm_moe_dsa": dict(
         head_dim=8,
         num_key_value_heads=4,
@@ -58,7 +61,7 @@ TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
         index_head_dim=16,
         index_n_heads=2,
     ),  # fmt: skip
-    "mistral4": dict(head_dim=8),
+    "mistral4": dict(head_dim=8, num_key_value_heads=4),
     # the MoE block is off by default; its experts use moe_intermediate_size
     "gemma4_text": dict(
         enable_moe_block=True,
