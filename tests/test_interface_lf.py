@@ -62,13 +62,13 @@ def test_sharpened_demo_loss_sees_a_one_percent_expert_error(tmp_path):
     assert abs(after - before) > 3 * LOSS_RTOL * before, (before, after)
 
 
-# dots1: DeepSeek-style grouped router with a score-correction bias and a shared expert, template
-# qwen (none known); lfm2_moe: a hybrid stack (short-conv + attention layers, a dense layer first),
-# sigmoid router with an expert bias, its own LLaMA-Factory template (lfm2). qwen3_next (hybrid
-# with linear attention) passes too (docs/models.md) but its torch-fallback linear attention
-# doubled this test's time (~80 s on 2 cores against ~37 s).
+# dots1: grouped sigmoid router with a score-correction bias and a shared expert, template qwen
+# (none known); lfm2_moe: a hybrid stack (short-conv + attention layers, a dense layer first),
+# sigmoid router with an expert bias, its own template (lfm2); minimax: softmax router, its own
+# template (minimax1). qwen3_next (linear-attention hybrid) passes too (docs/models.md) but its
+# torch-fallback linear attention doubles the time of one type.
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["dots1", "lfm2_moe"])
+@pytest.mark.parametrize("model_type", ["dots1", "lfm2_moe", "minimax"])
 def test_lf_lr0_loss_parity(model_type, tmp_path):
     pytest.importorskip("llamafactory")
     check = lf_parity(model_type, tmp_path)
