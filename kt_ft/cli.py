@@ -36,10 +36,40 @@ def _models(args: argparse.Namespace) -> int:
             f"{row.model_type}\t{row.status}\t{row.layout or row.detail[:160]}\t{row.seconds:.1f}s",
             flush=True,
         )
+    if args.lf:
+        _lf_cells(rows, args.lf_dir, args.lf_jobs)
     if args.write:
         Path(args.write).write_text(models_markdown(rows, transformers.__version__))
         print(f"wrote {args.write}")
-    return 0 if all(r.status != "error" for r in rows) else 1
+    return 0 if all(r.status != "error" and not r.lf.startswith("fail") for r in rows) else 1
+
+
+def _lf_cells(rows, lf_dir: str | None, jobs: int) -> None:
+    """Fill each row's LLaMA-Factory column, ``jobs`` types at a time: a type's two runs wait mostly
+    on their subprocesses (threads suffice; ``lf_check`` makes one demo at a time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(row):
+        row.lf = _lf_cell(row, lf_dir)
+        print(f"{row.model_type}\tLLaMA-Factory: {row.lf}", flush=True)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(one, rows))
+
+
+def _lf_cell(row, lf_dir: str | None) -> str:
+    """``kt-ft models --lf``: the LLaMA-Factory lr-0 parity of one probed type (``lf_check.py``),
+    its recipes, logs and outputs under ``lf_dir/<type>`` (a temporary directory without it)."""
+    import tempfile
+
+    from .models.lf_check import lf_parity  # why: lazy CLI
+
+    if row.status != "supported":
+        return f"not run ({row.status})"
+    if lf_dir:
+        return lf_parity(row.model_type, Path(lf_dir) / row.model_type).cell()
+    with tempfile.TemporaryDirectory(prefix=f"kt-ft-lf-{row.model_type}-") as tmp:
+        return lf_parity(row.model_type, Path(tmp)).cell()
 
 
 def _settings(args: argparse.Namespace) -> int:
@@ -297,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--types", default=None, help="comma-separated model types (default: every one whose "
                         "experts use transformers' experts interface)")  # fmt: skip
     models.add_argument("--write", default=None, help="also write the markdown table here (docs/models.md)")
+    models.add_argument("--lf", action="store_true", help="also train each supported type's demo through "
+                        "`llamafactory-cli train` with use_kt true and false (learning rate 0) and compare "
+                        "the losses (minutes)")  # fmt: skip
+    models.add_argument("--lf-dir", default=None, help="with --lf: keep each type's demo, recipes and logs "
+                        "under DIR/<type> (default: a temporary directory)")  # fmt: skip
+    models.add_argument("--lf-jobs", type=int, default=1, help="with --lf: types checked at once (each runs "
+                        "two llamafactory-cli processes side by side)")  # fmt: skip
     models.set_defaults(func=_models)
 
     bench = sub.add_parser(

@@ -60,7 +60,23 @@ def demo_examples(n: int = 256, seed: int = 0) -> list[dict[str, str]]:
     return out
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
+def template_stop_words(template: str) -> list[str]:
+    """The stop words of LLaMA-Factory's chat ``template`` (none without LLaMA-Factory).
+
+    LLaMA-Factory makes them the tokenizer's eos / additional special tokens and adds each one the
+    tokenizer lacks, which puts its id past the model's embeddings (an IndexError in the forward
+    unless ``resize_vocab``); a demo tokenizer that has them trains with the family's own template."""
+    if not template:
+        return []
+    try:
+        from llamafactory.data.template import TEMPLATES
+    except ImportError:
+        return []
+    found = TEMPLATES.get(template)
+    return list(found.stop_words) if found else []
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, extra_special: list[str] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -69,7 +85,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + [t for t in extra_special if t not in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer)
@@ -84,8 +100,9 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
-def _check_derived(model_type: str) -> None:
-    """A model type without a hand-written family: kt-ft must derive one (else KTConfigError with why)."""
+def _check_derived(model_type: str):
+    """A model type without a hand-written family: kt-ft must derive one (else KTConfigError with
+    why); returns it."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
@@ -93,7 +110,7 @@ def _check_derived(model_type: str) -> None:
             f"--family {model_type!r} is not a model type of this transformers; valid choices: "
             f"{', '.join(FAMILIES)} or a model type listed in docs/models.md"
         )
-    family_of(tiny_config(model_type))
+    return family_of(tiny_config(model_type))
 
 
 def make_demo_model(
@@ -108,8 +125,7 @@ def make_demo_model(
 
     if family in UNSUPPORTED:
         raise KTConfigError(f"--family {family!r} is not supported by kt-ft: {UNSUPPORTED[family]}")
-    if family not in FAMILIES:
-        _check_derived(family)
+    template = FAMILIES[family].template if family in FAMILIES else _check_derived(family).template
     out = Path(out_dir)
     data_dir, model_dir = out / "data", out / "model"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -120,9 +136,10 @@ def make_demo_model(
     )
 
     texts = [f"{e['instruction']} {e['input']} {e['output']}" for e in examples] + ["user assistant system"]
-    tokenizer = train_tokenizer(texts, vocab_size=400)
+    tokenizer = train_tokenizer(texts, vocab_size=400, extra_special=template_stop_words(template))
     # Special tokens are the tokenizer's (ChatML-style for every family: the demo recipe's
-    # template is `qwen`); the family's own bos/eos ids would point outside the small vocab.
+    # template is `qwen`; plus the stop words of the family's template, so it works too); the
+    # family's own bos/eos ids would point outside the small vocab.
     tokens = dict(
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,

@@ -174,6 +174,30 @@ def test_unsupported_activation_refused_with_what_was_found():
     assert "_apply_gate" in msg and "silu(gate) * up, gelu_tanh(gate) * up" in msg
 
 
+def test_tiny_gemma_per_layer_vocab_follows_vocab_size():
+    """Gemma's per-layer-input embeddings take the same token ids as embed_tokens: a demo's
+    vocab_size (its tokenizer's size) sizes both (a fixed 97 made LF's forward index past it)."""
+    assert tiny_config("gemma4_text", vocab_size=400).vocab_size_per_layer_input == 400
+    assert (
+        tiny_config("gemma4_text", vocab_size=400, vocab_size_per_layer_input=50).vocab_size_per_layer_input
+        == 50
+    )
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa"])
+def test_tiny_mla_runs_sdpa_with_padding(model_type):
+    """MLA keys carry every head: a tiny MLA config with fewer kv heads failed in LLaMA-Factory
+    (SDPA with a padding mask repeats the keys by heads // kv_heads)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0
+    model(input_ids=torch.randint(3, 90, (2, 8)), attention_mask=mask)
+
+
 def test_dense_model_refused():
     with pytest.raises(
         KTConfigError, match="model_type='llama' is not supported.*use_experts_implementation"
@@ -187,8 +211,7 @@ def test_override_templates_exist_in_llamafactory():
     assert not missing
 
 
-# gemma4_text through LF: its per-layer-input embedding fails on the demo tokenizer's ids (open)
-@pytest.mark.parametrize("model_type", ["dots1"])
+@pytest.mark.parametrize("model_type", ["dots1", "gemma4_text"])
 def test_derived_type_through_llamafactory(model_type, tmp_path):
     """`kt-ft make-demo-model --family <derived type>`, loaded by LLaMA-Factory with `use_kt` and
     `lora_target: all` (plan on meta before loading, attach_kt after): experts replaced by

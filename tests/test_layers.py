@@ -62,7 +62,13 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "kt_ft.export",
         "kt_ft.demo",
     ),
-    "integration": ("kt_ft.llamafactory", "kt_ft.bench", "kt_ft.cli", "kt_ft.models.probe"),
+    "integration": (
+        "kt_ft.llamafactory",
+        "kt_ft.bench",
+        "kt_ft.cli",
+        "kt_ft.models.probe",
+        "kt_ft.models.lf_check",
+    ),
 }
 
 

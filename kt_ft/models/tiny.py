@@ -48,9 +48,12 @@ SHRINK: dict[str, Any] = dict(
 
 # What a type needs beyond SHRINK (why, per line).
 TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
-    # MLA: HF's rotary embedding takes head_dim, which must be the rope part
-    "deepseek_v3": dict(head_dim=8),
-    "glm4_moe_lite": dict(head_dim=8),
+    # MLA: HF's rotary embedding takes head_dim, which must be the rope part; keys carry every
+    # head, so num_key_value_heads must equal num_attention_heads (SDPA with a padding mask
+    # repeats the keys by heads // kv_heads and fails otherwise)
+    "deepseek_v2": dict(num_key_value_heads=4),
+    "deepseek_v3": dict(head_dim=8, num_key_value_heads=4),
+    "glm4_moe_lite": dict(head_dim=8, num_key_value_heads=4),
     "glm_moe_dsa": dict(
         head_dim=8,
         num_key_value_heads=4,
@@ -58,13 +61,12 @@ TYPE_OVERRIDES: dict[str, dict[str, Any]] = {
         index_head_dim=16,
         index_n_heads=2,
     ),  # fmt: skip
-    "mistral4": dict(head_dim=8),
+    "mistral4": dict(head_dim=8, num_key_value_heads=4),
     # the MoE block is off by default; its experts use moe_intermediate_size
     "gemma4_text": dict(
         enable_moe_block=True,
         global_head_dim=16,
         hidden_size_per_layer_input=16,
-        vocab_size_per_layer_input=97,
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=8,
     ),  # fmt: skip
@@ -87,7 +89,9 @@ def tiny_config(model_type: str, **overrides):
     keys = set(text.to_dict()) | set(getattr(type(text), "attribute_map", {}))
     shrunk = {k: v for k, v in SHRINK.items() if k in keys}
     shrunk |= TYPE_OVERRIDES.get(model_type, {}) | overrides
-    if "vocab_size_per_layer_input" in keys:  # Gemma's per-layer embeddings index the same tokens
+    if "vocab_size_per_layer_input" in keys:
+        # Gemma's per-layer embeddings are indexed by the same token ids as embed_tokens: they follow
+        # vocab_size (make-demo-model sets it to its tokenizer's size) unless set explicitly.
         shrunk.setdefault("vocab_size_per_layer_input", shrunk["vocab_size"])
     if text is not default:  # composite: the language model's keys go to its text config
         return AutoConfig.for_model(model_type, text_config=shrunk)
