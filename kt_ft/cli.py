@@ -25,7 +25,7 @@ def _models(args: argparse.Namespace) -> int:
     """Probe every experts-interface model type of this transformers (``models/probe.py``)."""
     import transformers  # why: lazy CLI
 
-    from .models.probe import interface_model_types, models_markdown, probe  # why: lazy CLI
+    from .models.probe import interface_model_types, models_markdown, probe, update_readme  # why: lazy CLI
 
     types = args.types.split(",") if args.types else interface_model_types()
     rows = []
@@ -41,6 +41,9 @@ def _models(args: argparse.Namespace) -> int:
     if args.write:
         Path(args.write).write_text(models_markdown(rows, transformers.__version__))
         print(f"wrote {args.write}")
+        if args.readme:
+            update_readme(Path(args.readme), Path(args.write).read_text())
+            print(f"updated {args.readme}'s model-types sentence")
     return 0 if all(r.status != "error" and not r.lf.startswith("fail") for r in rows) else 1
 
 
@@ -327,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--types", default=None, help="comma-separated model types (default: every one whose "
                         "experts use transformers' experts interface)")  # fmt: skip
     models.add_argument("--write", default=None, help="also write the markdown table here (docs/models.md)")
+    models.add_argument(
+        "--readme",
+        default=None,
+        help="with --write: also regenerate README.md's model-types sentence from it",
+    )
     models.add_argument("--lf", action="store_true", help="also train each supported type's demo through "
                         "`llamafactory-cli train` with use_kt true and false (learning rate 0) and compare "
                         "the losses (minutes)")  # fmt: skip

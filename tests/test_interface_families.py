@@ -240,3 +240,26 @@ def test_derived_type_through_llamafactory(model_type, tmp_path):
     ids = torch.randint(1, len(tokenizer), (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(getattr(m, n).grad.abs().max() > 0 for m in kt for n in ("gate_b", "up_b", "down_b"))
+
+
+def test_readme_model_types_sentence_is_generated_from_docs_models():
+    """README's sentence on the experts-interface types is ``kt-ft models --readme``'s, from
+    docs/models.md's table as committed; the parser counts what passed (a toy table)."""
+    from pathlib import Path
+
+    from kt_ft.models.probe import README_BEGIN, README_END, readme_models_block
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    block = readme[readme.index(README_BEGIN) : readme.index(README_END) + len(README_END)]
+    assert block == readme_models_block((root / "docs" / "models.md").read_text())
+    toy = "\n".join(
+        [
+            "| a | supported | A | silu | r | d | pass; template `x` |",
+            "| b | supported | B | silu | r | d | fail; losses differ |",
+            "| c | refused |  |  |  | why | not run (refused) |",
+        ]
+    )
+    got = readme_models_block(toy)
+    assert "Of the 3 model types" in got and ", 1 train through" in got and "(a);" in got
+    assert "b (fail), c (refused)" in got

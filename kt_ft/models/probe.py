@@ -162,3 +162,37 @@ def models_markdown(rows: list[ProbeRow], transformers_version: str) -> str:
             f"| {r.model_type} | {r.status} | {r.experts} | {r.layout} | {r.rule} | {detail} | {lf} |"
         )
     return "\n".join(lines) + "\n"
+
+
+README_BEGIN = "<!-- kt-ft models: begin -->"
+README_END = "<!-- kt-ft models: end -->"
+
+
+def readme_models_block(models_md: str) -> str:
+    """README's generated sentence on the experts-interface types, from docs/models.md's table
+    (the types whose status is supported and whose LLaMA-Factory lr-0 parity passed; the rest
+    named with their status), between ``README_BEGIN`` and ``README_END``."""
+    rows = []
+    for line in models_md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 7 and cells[1] in ("supported", "refused", "error"):
+            rows.append((cells[0], cells[1], cells[6]))
+    passed = [t for t, status, lf in rows if status == "supported" and lf.startswith("pass")]
+    others = [
+        f"{t} ({'refused' if status != 'supported' else lf.split(';')[0]})"
+        for t, status, lf in rows
+        if t not in passed
+    ]
+    text = (
+        f"{README_BEGIN}\nOf the {len(rows)} model types of transformers whose experts use its experts interface, "
+        f"{len(passed)} train through `llamafactory-cli train` with the losses of `use_kt: false` "
+        f"({', '.join(passed)}); not so: {', '.join(others) or 'none'}.\n{README_END}"
+    )
+    return text
+
+
+def update_readme(readme: Path, models_md: str) -> None:
+    """Replace README's generated block (``readme_models_block``) in place."""
+    s = readme.read_text()
+    a, b = s.index(README_BEGIN), s.index(README_END) + len(README_END)
+    readme.write_text(s[:a] + readme_models_block(models_md) + s[b:])
