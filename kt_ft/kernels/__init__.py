@@ -32,7 +32,7 @@ BACKENDS: dict[str, type[ExpertBackend]] = {
 }
 # `auto` tries these in order and takes the first that can run here (and does not ask to be
 # passed over: ``auto_skip_reason``). native before torch: on CPUs without native bf16, torch's
-# bf16 GEMMs are ~1 GFLOP/s (NativeBackend.auto_note has the measurement).
+# bf16 GEMMs are ~1 GFLOP/s (docs/benchmarks.md, the op section).
 AUTO_ORDER = ("kt-kernel", "native", "torch")
 
 

@@ -36,8 +36,8 @@ def cpu_has_native_bf16() -> bool:
 class NativeBackend(GroupedTorchBackend):
     name = "native"
     auto_note = (
-        " (CPU without native bf16; measured on a 2-core AVX2 EPYC, DeepSeek-V2-Lite layer, fwd+bwd: "
-        "native 24 GFLOP/s at 512 tokens, 7.3 at 128, where the torch backend ran 0.25; docs/benchmarks.md)"
+        " (this CPU has no native bf16, where torch's bf16 GEMMs are slow; `kt-ft bench --parts op` "
+        "measures both here, docs/benchmarks.md has figures)"
     )
 
     def __init__(self) -> None:
