@@ -52,6 +52,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "kt_ft.moe",
         "kt_ft.placement.measure",
         "kt_ft.placement.runtime",
+        "kt_ft.placement.non_expert",
         "kt_ft.checkpoint",
         "kt_ft.distributed",
         "kt_ft.fsdp",

@@ -338,3 +338,69 @@ def test_a_calibrated_cpu_rate_is_kept_for_the_next_run(tmp_path, monkeypatch):
     after = measure.machine_rates(shape, "torch", 2, 24, RANK, cuda=False)
     assert after.cpu_flops == pytest.approx(ctx.rates.cpu_flops)
     assert after.source["cpu_flops"].startswith("cached from a training run")
+
+
+def test_non_expert_measurement_skips_the_routed_experts_and_leaves_the_run_as_it_was(tmp_path):
+    """``measure_non_expert_s``: the model's forward + backward with every KTExperts returning
+    zeros (the CPU op not called), timed; afterwards the gradients, the RNG, train mode and the
+    experts are as before. Its loss equals a reference: the same model with the experts module's
+    output replaced by zeros through a forward hook (an independent route to the same thing)."""
+    from test_resident import build
+
+    from kt_ft.placement.non_expert import measure_non_expert_s, routed_experts_skipped
+
+    rule = tmp_path / "cpu.yaml"
+    rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch}\n")
+    model = build(rule)
+    layers = kt_layers(model)
+    model.eval()
+    rng = torch.get_rng_state()
+    s = measure_non_expert_s(model, seq_len=12, batch=2, device=torch.device("cpu"))
+    assert s > 0 and not model.training
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    assert [m.runner.forward_calls for m in layers] == [0] * len(layers)
+    assert not any(m.skip_routed for m in layers)
+
+    ids = batches()[0]
+    with torch.no_grad(), routed_experts_skipped(model):
+        skipped = model(input_ids=ids, labels=ids).loss
+    hooks = [m.register_forward_hook(lambda mod, args, out: torch.zeros_like(out)) for m in layers]
+    with torch.no_grad():
+        zeroed = model(input_ids=ids, labels=ids).loss
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        full = model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(skipped, zeroed, rtol=1e-6, atol=0)
+    assert abs(full.item() - skipped.item()) > 1e-4  # the experts do contribute when not skipped
+
+
+def test_a_measured_non_expert_time_replaces_the_flop_estimate(tmp_path, monkeypatch, caplog):
+    """``Replanner.measure_non_expert`` keeps the measured seconds in the rates, so the prediction
+    it logs (and every later one) is Σ layers + that measurement; without a GPU it does nothing."""
+    import logging
+    from types import SimpleNamespace
+
+    import kt_ft.placement.runtime as runtime
+    from kt_ft.placement.auto import predict_plan
+
+    model, ctx, _ = auto_model(tmp_path, 3)
+    rp = Replanner(ctx, every=0, threshold=0.1)
+    flops_pred = predict_plan(ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates)
+    assert rp.measure_non_expert(model) is None  # the tiny model is on the CPU: nothing measured
+    assert ctx.rates.nonexpert_s is None
+
+    # as if the model were on a GPU: its embeddings say cuda, the measurement says 250 ms
+    on_gpu = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda")))
+    monkeypatch.setattr(runtime, "measure_non_expert_s", lambda *a, **k: 0.25)
+    monkeypatch.setattr(model, "get_input_embeddings", lambda: on_gpu)
+    with caplog.at_level(logging.INFO, logger="kt_ft"):
+        got = rp.measure_non_expert(model)
+    monkeypatch.undo()
+    assert got == 0.25 and ctx.rates.nonexpert_s == 0.25 and ctx.rates.source["nonexpert_s"] == "this run"
+    pred = predict_plan(ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates)
+    layers = sum(t.seconds for t in pred.layers)
+    assert pred.step_s == pytest.approx(layers + 0.25)
+    assert pred.step_s - flops_pred.step_s == pytest.approx(0.25 - flops_pred.nonexpert_s)
+    assert f"predicted step {pred.step_s * 1e3:.3f} ms" in caplog.text

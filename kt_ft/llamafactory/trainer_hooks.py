@@ -1,4 +1,4 @@
-"""Trainer-side checkpoint hook: the manifest of a checkpoint-N dir is written last.
+"""Trainer-side hooks: the checkpoint manifest written last, and placement: auto's start and steps.
 
 The HF Trainer saves a checkpoint as model (adapter + fused expert LoRA, through the
 ``save_pretrained`` hook of ``model.py``), then optimizer, scheduler, RNG state and
@@ -21,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from ..checkpoint.manifest import write_manifest
@@ -40,6 +41,11 @@ class KTCheckpointCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and getattr(model, "_kt_ft_info", None) is not None:
             model._kt_ft_defer_checkpoint_manifest = True  # model.py's save hook leaves it to on_save
+        replanner = getattr(model, "_kt_ft_replanner", None)
+        if replanner is not None:
+            # placement: auto predicts the step with the non-expert work as this run does it
+            autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+            replanner.measure_non_expert(model, autocast_dtype=autocast)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         sync = getattr(model, "_kt_ft_grad_sync", None)

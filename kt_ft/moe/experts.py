@@ -118,6 +118,9 @@ class KTExperts(nn.Module):
         # routing counts per expert [E] int64 on the router's device, accumulated while training
         # when ``count_routing`` is set (placement: auto's re-planning reads and resets them)
         self.count_routing = False
+        # True while ``placement/non_expert.py`` times the model without its routed experts: the
+        # call returns zeros and touches no state (no CPU op, no stream, no routing counts)
+        self.skip_routed = False
         self.routing_counts: torch.Tensor | None = None
         self.set_placement(resident_ids, stream_ids, resident_device)
 
@@ -168,6 +171,10 @@ class KTExperts(nn.Module):
         return [p for n, p in self.named_parameters(recurse=False) if n.endswith(("_proj", "_proj_bias"))]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.skip_routed:
+            if self.beside is not None:  # the block computes its shared branch itself, as usual
+                self.beside.skip()
+            return torch.zeros_like(hidden_states)
         lora = self.lora_tensors()
         if self.count_routing and self.training:
             # on the router's device, no host sync; both passes of a checkpointed layer count,

@@ -22,7 +22,11 @@ scale; uniform when unknown) and pairs_e = T·k·p_e / Σp:
 The link and the GPU overlap (the next layer's experts stream in while this one computes); the
 CPU op does not overlap them, so a layer takes cpu_s + max(link_s, gpu_s), and a step
 Σ_layers (...) + nonexpert_s, the non-expert GPU work (attention, dense/shared MLPs, head) from
-its FLOPs at the dense GPU rate (``non_expert_flops``). Why the CPU time adds: a layer with CPU
+its FLOPs at the dense GPU rate (``non_expert_flops``) before a run starts, and as the run
+measured it once it has (``Rates.nonexpert_s``: at the dense rate the FLOPs said 159 ms for
+DeepSeek-V2-Lite's 2048 tokens where a whole all-resident micro-batch took 439 ms: the non-expert
+work is bound by the host's per-kernel time, LoRA's small products and attention, not by the
+matmul rate). Why the CPU time adds: a layer with CPU
 experts reads its routing on the host (one sync: the CPU op needs its pairs), so the host waits
 for every kernel queued before, the layer's own streamed weights included, and stops running
 ahead of the GPU; the CPU op then runs while the GPU computes only this layer's share. Measured
@@ -101,6 +105,9 @@ class Rates:
     link_bytes_s: float | None = None
     gpu_flops: float | None = None
     gpu_expert_flops: float | None = None
+    # seconds of one micro-batch's non-expert work as a run measured it (``placement/non_expert.py``:
+    # the model's forward + backward with the routed experts skipped); None: its FLOPs at gpu_flops
+    nonexpert_s: float | None = None
     source: dict[str, str] = field(default_factory=dict, compare=False)  # figure -> where it came from
 
     @property
@@ -304,6 +311,9 @@ def predict(
         stream_layers = sum(1 for s in splits if s.streamed)
     passes = link_passes(stream_layers)
     times = [layer_times(sh, s, rates, rank, tokens, p, passes) for sh, s, p in zip(shapes, splits, pops)]
-    nonexpert_s = nonexpert_flops / rates.gpu_flops if rates.gpu_flops else 0.0
+    if rates.nonexpert_s is not None:
+        nonexpert_s = rates.nonexpert_s
+    else:
+        nonexpert_s = nonexpert_flops / rates.gpu_flops if rates.gpu_flops else 0.0
     res, buf, act = expert_gpu_bytes(shapes, splits, tokens, popularity)
     return Prediction(times, nonexpert_s, res, buf, act)

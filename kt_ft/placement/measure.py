@@ -315,7 +315,7 @@ def machine_rates(
         )
     if changed:
         _save_cache(data)
-    return apply_overrides(Rates(cpu, link, gpu, gpu_e, src), overrides, shape, rank)
+    return apply_overrides(Rates(cpu, link, gpu, gpu_e, source=src), overrides, shape, rank)
 
 
 def cpu_rate_key(shape: LayerShape, backend: str, threads: int, tokens: int) -> str:
@@ -357,4 +357,8 @@ def describe(rates: Rates, shape: LayerShape, rank: int) -> list[str]:
             lines.append(f"{label} {v / scale:.3g} {unit} [{rates.source.get(name, '?')}]")
         elif name != "gpu_expert_flops":
             lines.append(f"{label}: unknown (no CUDA device here; give it with --rates)")
+    if rates.nonexpert_s is not None:
+        lines.append(
+            f"non-expert work {rates.nonexpert_s * 1e3:.1f} ms a micro-batch [{rates.source.get('nonexpert_s', '?')}]"
+        )
     return lines

@@ -45,11 +45,13 @@ from ..kernels import select_backend
 from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
 from ..moe.experts import KTExperts
+from ..processes import topology
 from ..rules.plan import PlacementPlan
 from ..rules.report import CUDA_GROWTH_BYTES, TrainSizes
-from .auto import auto_layers, format_placement, layer_shape, placement_section, plan_auto
+from .auto import auto_layers, format_placement, layer_shape, placement_section, plan_auto, predict_plan
 from .cost import LayerShape, Rates
 from .measure import cpu_rate_key, describe, machine_rates, remember_cpu_flops
+from .non_expert import measure_non_expert_s
 from .planner import Choice
 
 logger = get_logger(__name__)
@@ -327,6 +329,41 @@ class Replanner:
             f"{ratio:.2f}x the {rates.cpu_flops / 1e12:.3g} planned with: planning again with it{kept}"
         )
         return self.replan(dict(self.planned_with), reason="the CPU op's rate in this run")
+
+    def measure_non_expert(
+        self, model: torch.nn.Module, autocast_dtype: torch.dtype | None = None
+    ) -> float | None:
+        """Before the first step: time the model's non-expert work on one micro-batch
+        (``non_expert.py``), keep it in the rates (every later prediction uses it) and log the
+        step predicted with it. ``model``: the model the trainer runs (PEFT-wrapped or not).
+        Returns the seconds, or None where nothing was measured (no GPU, several processes: a
+        forward + backward outside the data-parallel wrapper would start its gradient sync)."""
+        ctx = self.ctx
+        if not self.active or topology().distributed:
+            return None
+        device = model.get_input_embeddings().weight.device
+        if device.type != "cuda":
+            return None
+        before = predict_plan(ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates)
+        s = measure_non_expert_s(
+            model,
+            seq_len=ctx.sizes.cutoff_len,
+            batch=ctx.sizes.batch,
+            device=device,
+            autocast_dtype=autocast_dtype,
+        )
+        ctx.rates = dataclasses.replace(
+            ctx.rates, nonexpert_s=s, source={**ctx.rates.source, "nonexpert_s": "this run"}
+        )
+        pred = predict_plan(ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates)
+        tokens = ctx.sizes.cutoff_len * ctx.sizes.batch
+        logger.info(
+            f"placement: auto: the non-expert work of a micro-batch (forward + backward, routed experts "
+            f"skipped) took {s * 1e3:.1f} ms in this run (its FLOPs at the GPU's matmul rate said "
+            f"{before.nonexpert_s * 1e3:.1f} ms): predicted step {pred.step_s * 1e3:.3f} ms, "
+            f"{tokens / pred.step_s:,.0f} tokens/s (routed experts {(pred.step_s - s) * 1e3:.1f} ms)"
+        )
+        return s
 
     def mark_cpu(self) -> None:
         """Start a new window for ``calibrate``."""
