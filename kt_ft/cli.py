@@ -239,7 +239,8 @@ def _bench(args: argparse.Namespace) -> int:
         run_e2e(preset=args.preset, layers=layers, systems=e2e_systems, workdir=Path(args.workdir),
                 cutoff_len=args.seq, steps=args.e2e_steps, grad_accum=args.grad_accum, threads=args.threads,
                 cpu_infer=args.cpu_infer,
-                timeout_s=args.run_timeout, json_path=args.json if parts == ["e2e"] else None)  # fmt: skip
+                timeout_s=args.run_timeout, json_path=args.json if parts == ["e2e"] else None,
+                peer_site=args.peer_site)  # fmt: skip
         parts = [p for p in parts if p != "e2e"]
         if not parts:
             return 0
@@ -362,8 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--e2e-systems",
         default=None,
-        help="e2e part: comma-separated systems: peft, kt-cpu:<backend>, kt-auto, kt-auto@<GiB>, kt-stream "
-        "(default: all of them with backends torch and kt-kernel, caps 12 and 24)",
+        help="e2e part: comma-separated systems: peft, kt-cpu:<backend>, kt-auto, kt-auto@<GiB>, kt-stream, kt-peer "
+        "(default: all but kt-peer, with backends torch and kt-kernel, caps 12 and 24)",
     )
     bench.add_argument(
         "--workdir", default="bench-e2e", help="e2e part: model, data, recipes and logs go here"
@@ -378,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="e2e part: the recipes' cpu_infer (default: kt-ft's default)",
     )
     bench.add_argument("--grad-accum", type=int, default=4, help="e2e part: gradient_accumulation_steps")
+    bench.add_argument(
+        "--peer-site",
+        default=None,
+        help="e2e part: a directory with transformers-kt, accelerate-kt and kt-kernel installed "
+        "(pip install --no-deps --target DIR): KTransformers' own SFT path as system kt-peer",
+    )
     bench.add_argument(
         "--run-timeout", type=float, default=900, help="e2e part: seconds before a run is killed"
     )

@@ -1,5 +1,9 @@
 """One log line at the end of a run: what crossed the RAM->GPU link and what the GPU allocator did.
 
+The allocator's peaks are also kept per phase of a step (``PhasePeaks``: the start, with
+``placement: auto``'s measurement of the non-expert work; forward + backward of the micro-batches;
+the optimizer step), so a peak above the plan says where it happened.
+
 Both explain a slow run without a profiler: streamed copies per optimizer step against the two a
 checkpointed layer needs (forward, recompute; its backward reuses the recompute's weights), and
 the allocator's retries (an allocation that failed under the ``kt_gpu_memory`` limit, so every
@@ -37,6 +41,37 @@ def allocator_stats(device: torch.device | None = None) -> dict[str, int] | None
     }
 
 
+PHASES = ("start", "forward + backward", "optimizer step")
+
+
+class PhasePeaks:
+    """The CUDA allocator's peak allocated / reserved bytes per phase of a training step.
+
+    ``mark(phase)`` closes the phase that just ended: it keeps the allocator's peaks since the last
+    mark under ``phase`` (the largest over the run) and resets them (``torch.cuda.reset_peak_memory_stats``).
+    The trainer callback marks ``start`` before the first step, ``forward + backward`` before each
+    optimizer step and ``optimizer step`` after it."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, tuple[int, int]] = {}
+
+    def mark(self, phase: str) -> None:
+        if not torch.cuda.is_available():
+            return
+        a, r = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        pa, pr = self.peaks.get(phase, (0, 0))
+        self.peaks[phase] = (max(pa, a), max(pr, r))
+        torch.cuda.reset_peak_memory_stats()
+
+    def line(self) -> str | None:
+        if not self.peaks:
+            return None
+        order = [p for p in PHASES if p in self.peaks] + [p for p in self.peaks if p not in PHASES]
+        return "GPU allocator peak by phase (allocated / reserved): " + ", ".join(
+            f"{p} {fmt_bytes(self.peaks[p][0])} / {fmt_bytes(self.peaks[p][1])}" for p in order
+        )
+
+
 def run_summary(model: torch.nn.Module, steps: int) -> str:
     """``steps`` optimizer steps ran: the line the end of training logs."""
     parts = []
@@ -49,10 +84,16 @@ def run_summary(model: torch.nn.Module, steps: int) -> str:
             f"{by}), {st['hits']} uses found their layer in a buffer ({st['prefetch_hits']} by prefetch)"
         )
     al = allocator_stats()
+    phases: PhasePeaks | None = getattr(model, "_kt_ft_phase_peaks", None)
     if al is not None:
+        if phases is not None and phases.peaks:  # the allocator's own peak restarted at each mark
+            al["peak_allocated"] = max(al["peak_allocated"], *(a for a, _ in phases.peaks.values()))
+            al["peak_reserved"] = max(al["peak_reserved"], *(r for _, r in phases.peaks.values()))
         parts.append(
             f"GPU allocator: peak {fmt_bytes(al['peak_allocated'])} allocated / {fmt_bytes(al['peak_reserved'])} "
             f"reserved, {al['alloc_retries']} retries after freeing the cache, {al['device_allocs']} cudaMalloc / "
             f"{al['device_frees']} cudaFree"
         )
+    if phases is not None and phases.line():
+        parts.append(phases.line())
     return "; ".join(parts) if parts else "nothing streamed, no GPU"

@@ -13,6 +13,14 @@ if [[ ",$PARTS," == *,e2e,* ]]; then
   # for real into the machine's python (carry .whl: `pip download` list in docs/benchmarks.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || exit 1
   export DISABLE_VERSION_CHECK=1
+  # the peer (system kt-peer): transformers-kt + accelerate-kt (carry .peer: their wheels without the
+  # serving payload) installed apart, and kt-kernel's metadata (LF checks its version; the package is .ktk)
+  if ls .peer/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peer .peer/*.whl || exit 1
+    mkdir -p /tmp/peer/kt_kernel-0.7.2.dist-info
+    printf 'Metadata-Version: 2.1\nName: kt-kernel\nVersion: 0.7.2\n' >/tmp/peer/kt_kernel-0.7.2.dist-info/METADATA
+    PEER_SITE=/tmp/peer
+  fi
 elif ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (gguf, which kt_kernel imports)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -57,7 +65,7 @@ for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
   [[ ",$PARTS," == *,e2e,* ]] || break
   timeout "${E2E_TIMEOUT:-570}" python3 -m kt_ft.cli bench --parts e2e --preset "$preset" ${E2E_LAYERS:+--layers "$E2E_LAYERS"} \
     --threads "$THREADS" --e2e-steps "${E2E_STEPS:-5}" --workdir "/tmp/e2e-$preset" --json "$OUT/e2e-$preset.json" \
-    ${E2E_SYSTEMS:+--e2e-systems "$E2E_SYSTEMS"} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tee "$OUT/e2e-$preset.log"
+    ${E2E_SYSTEMS:+--e2e-systems "$E2E_SYSTEMS"} ${PEER_SITE:+--peer-site "$PEER_SITE"} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tee "$OUT/e2e-$preset.log"
   mkdir -p "$OUT/e2e-logs" && for f in /tmp/e2e-"$preset"/runs/*/train.log; do
     cp "$f" "$OUT/e2e-logs/$preset-$(basename "$(dirname "$f")").log"; done
   tar -czf "$OUT/e2e-logs-$preset.tgz" -C "$OUT" e2e-logs && rm -rf "$OUT/e2e-logs"

@@ -39,6 +39,29 @@ def test_parse_systems_names_the_valid_forms():
         parse_systems("peft,kt-fast")
 
 
+def test_the_peer_system_gets_llamafactorys_own_keys_and_needs_its_packages(tmp_path):
+    """kt-peer: LLaMA-Factory's native use_kt with transformers-kt's ``kt_config`` and none of kt-ft's
+    keys (LF would refuse them with kt-ft's hook off); without the directory of its packages the
+    bench stops before building anything."""
+    import yaml
+
+    from kt_ft.bench.e2e import run_e2e, write_recipe
+
+    (peer,) = parse_systems("kt-peer")
+    assert peer.kind == "peer" and not peer.use_kt
+    path = write_recipe(
+        tmp_path, peer, model_dir=tmp_path / "m", data_dir=tmp_path / "d", preset="tiny", cutoff_len=64,
+        steps=2, grad_accum=1, threads=12, bf16=True,
+    )  # fmt: skip
+    recipe = yaml.safe_load(path.read_text())
+    assert recipe["use_kt"] is True
+    assert recipe["kt_config"] == {"kt_backend": "AMXBF16", "kt_num_threads": 12}
+    assert not {"chunk_size", "kt_backend", "cpu_infer", "kt_optimize_rule", "kt_gpu_memory"} & set(recipe)
+    with pytest.raises(ValueError, match="--peer-site None: kt-peer needs"):
+        run_e2e(preset="tiny", layers=None, systems=[peer], workdir=tmp_path / "w", threads=2)
+    assert not (tmp_path / "w").exists()
+
+
 @pytest.mark.lf_subprocess
 def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
     """peft and kt-ft (every expert on the CPU) through `llamafactory-cli train`: both finish, both

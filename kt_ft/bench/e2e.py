@@ -14,6 +14,11 @@ there is a GPU, LLaMA-Factory's default gradient checkpointing, kt-ft's default 
 - ``kt-cpu:<backend>``: every routed expert on the CPU, computed by ``<backend>``.
 - ``kt-auto``, ``kt-auto@<GiB>``: ``placement: auto`` uncapped / under ``kt_gpu_memory``.
 - ``kt-stream``: every routed expert streamed to the GPU each time its layer runs.
+- ``kt-peer``: KTransformers' own SFT path, the peer: LLaMA-Factory's native ``use_kt`` with
+  transformers-kt, accelerate-kt and kt-kernel (``kt_config: {kt_backend: AMXBF16, kt_num_threads}``),
+  kt-ft's start-up hook off (``KT_FT_DISABLE=1``). Those packages replace transformers and
+  accelerate, so they are installed apart (``pip install --no-deps --target DIR``) and the run gets
+  ``DIR`` first on its ``PYTHONPATH`` (``--peer-site``). Every routed expert is on the CPU there.
 
 Measured per run, from outside the process: tokens/s from LLaMA-Factory's own
 ``trainer_log.jsonl`` (elapsed time of a log line = ``total_tokens / throughput``; the rate is taken
@@ -58,7 +63,7 @@ _SYLLABLES = "ka to ri mu se lo na vi pe du shi gor tan bel qua zen".split()
 
 @dataclass(frozen=True)
 class System:
-    """One `llamafactory-cli train` configuration: ``kind`` peft | cpu | auto | stream."""
+    """One `llamafactory-cli train` configuration: ``kind`` peft | cpu | auto | stream | peer."""
 
     name: str
     kind: str
@@ -67,7 +72,8 @@ class System:
 
     @property
     def use_kt(self) -> bool:
-        return self.kind != "peft"
+        """kt-ft's keys in the recipe (the peer has LLaMA-Factory's own use_kt keys instead)."""
+        return self.kind not in ("peft", "peer")
 
 
 def parse_systems(text: str) -> list[System]:
@@ -87,10 +93,12 @@ def parse_systems(text: str) -> list[System]:
             out.append(System(raw, "auto", cap_gib=float(raw.split("@")[1])))
         elif raw == "kt-stream":
             out.append(System(raw, "stream"))
+        elif raw == "kt-peer":
+            out.append(System(raw, "peer"))
         else:
             raise ValueError(
                 f"--systems: {raw!r} is not a system; valid: peft, kt-cpu:<backend> (torch, kt-kernel, ...), "
-                "kt-auto, kt-auto@<GiB>, kt-stream"
+                "kt-auto, kt-auto@<GiB>, kt-stream, kt-peer"
             )
     if not out:
         raise ValueError("--systems: no system named")
@@ -226,6 +234,12 @@ def write_recipe(
         "seed": 42,
         "bf16": bf16,
     }
+    if system.kind == "peer":
+        # LLaMA-Factory 0.9.5's own keys: transformers-kt's TrainingArguments takes ``kt_config``
+        # (kt_kernel.sft.config.KTConfig fields); LF itself passes lora_rank / alpha and cutoff_len
+        recipe.update(
+            use_kt=True, kt_config={"kt_backend": "AMXBF16", "kt_num_threads": cpu_infer or threads}
+        )
     if system.use_kt:
         recipe.update(use_kt=True, chunk_size=cutoff_len, kt_backend=system.backend)
         if cpu_infer is not None:  # else kt-ft's default, as a recipe without the key gets
@@ -459,10 +473,17 @@ def run_e2e(
     timeout_s: float = 900,
     json_path: str | None = None,
     keep_model: bool = True,
+    peer_site: str | None = None,
 ) -> list[E2ERecord]:
-    """Write the assets, run every system (in order, one process each), print the table."""
+    """Write the assets, run every system (in order, one process each), print the table.
+    ``peer_site``: the directory holding transformers-kt, accelerate-kt and kt-kernel for ``kt-peer``."""
     import torch
 
+    if any(s.kind == "peer" for s in systems) and not (peer_site and Path(peer_site).is_dir()):
+        raise ValueError(
+            f"--peer-site {peer_site!r}: kt-peer needs a directory holding transformers-kt, accelerate-kt "
+            "and kt-kernel (pip install --no-deps --target DIR ...); drop kt-peer from --e2e-systems otherwise"
+        )
     cuda = torch.cuda.is_available()
     # the runs' GPU as nvidia-smi names it: CUDA_VISIBLE_DEVICES's first entry (an index or a UUID)
     gpu_index = (os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0") if cuda else None
@@ -478,7 +499,7 @@ def run_e2e(
     records = []
     prof_root = settings.get("KT_FT_PROFILE")
     for system in systems:
-        if not cuda and system.kind in ("auto", "stream"):
+        if not cuda and system.kind in ("auto", "stream", "peer"):
             print(f"skipping {system.name}: needs a CUDA GPU")
             continue
         run_dir = workdir / "runs" / system.name.replace(":", "-").replace("@", "-at-")
@@ -492,6 +513,9 @@ def run_e2e(
         # KT_FT_PROFILE=DIR for the bench: each run profiles one step into DIR/<system> (that step
         # is left out of its rate; kt_ft/llamafactory/profile.py)
         env = {"KT_FT_PROFILE": str(Path(prof_root) / run_dir.name)} if prof_root else {}
+        if system.kind == "peer":
+            path = os.pathsep.join(p for p in (str(peer_site), os.environ.get("PYTHONPATH", "")) if p)
+            env = {"PYTHONPATH": path, "KT_FT_DISABLE": "1"}
         rec = run_system(
             system, recipe, run_dir, preset=preset, layers=layers, grad_accum=grad_accum,
             gpu_index=gpu_index, timeout_s=timeout_s, env=env,

@@ -28,7 +28,7 @@ from ..checkpoint.manifest import write_manifest
 from ..log import get_logger
 from ..memory import memory_report
 from ..processes import barrier
-from ..run_stats import run_summary
+from ..run_stats import PhasePeaks, run_summary
 from .fsdp_trainer import patch_trainer_for_fsdp2
 from .profile import profiler_from_env
 
@@ -46,11 +46,22 @@ class KTCheckpointCallback(TrainerCallback):
             # placement: auto predicts the step with the non-expert work as this run does it
             autocast = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
             replanner.measure_non_expert(model, autocast_dtype=autocast)
+        if model is not None and getattr(model, "_kt_ft_info", None) is not None:
+            model._kt_ft_phase_peaks = PhasePeaks()  # the run summary's peaks by phase
+            model._kt_ft_phase_peaks.mark("start")
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        peaks = getattr(model, "_kt_ft_phase_peaks", None)
+        if peaks is not None:
+            peaks.mark("forward + backward")
         sync = getattr(model, "_kt_ft_grad_sync", None)
         if sync is not None:
             sync.check_complete()  # several processes: the expert-LoRA grads were all averaged
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        peaks = getattr(model, "_kt_ft_phase_peaks", None)
+        if peaks is not None:
+            peaks.mark("optimizer step")
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         replanner = getattr(model, "_kt_ft_replanner", None)
