@@ -14,6 +14,7 @@ tries again, into the user cache, on first use).
 
 import importlib.util
 import sys
+import sysconfig
 from pathlib import Path
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
@@ -50,4 +51,7 @@ class CustomBuildHook(BuildHookInterface):
             for name in (nb.LIB_NAME, nb.HASH_NAME):
                 build_data["force_include"][str(root / NATIVE_DIR / name)] = f"{NATIVE_DIR}/{name}"
             build_data["pure_python"] = False
-            build_data["infer_tag"] = True
+            # the library is loaded with ctypes, not linked against CPython: one wheel for every
+            # Python 3 on this platform (py3-none-<platform>), not a cpXY one
+            platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+            build_data["tag"] = f"py3-none-{platform}"
