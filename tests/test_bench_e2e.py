@@ -56,6 +56,7 @@ def test_the_peer_system_gets_llamafactorys_own_keys_and_needs_its_packages(tmp_
     recipe = yaml.safe_load(path.read_text())
     assert recipe["use_kt"] is True
     assert recipe["kt_config"] == {"kt_backend": "AMXBF16", "kt_num_threads": 12}
+    assert recipe["use_reentrant_gc"] is False  # kt-kernel's recompute policy refuses reentrant checkpointing
     assert not {"chunk_size", "kt_backend", "cpu_infer", "kt_optimize_rule", "kt_gpu_memory"} & set(recipe)
     with pytest.raises(ValueError, match="--peer-site None: kt-peer needs"):
         run_e2e(preset="tiny", layers=None, systems=[peer], workdir=tmp_path / "w", threads=2)

@@ -236,9 +236,14 @@ def write_recipe(
     }
     if system.kind == "peer":
         # LLaMA-Factory 0.9.5's own keys: transformers-kt's TrainingArguments takes ``kt_config``
-        # (kt_kernel.sft.config.KTConfig fields); LF itself passes lora_rank / alpha and cutoff_len
+        # (kt_kernel.sft.config.KTConfig fields); LF itself passes lora_rank / alpha and cutoff_len.
+        # kt-kernel's default activation policy recomputes the GPU part under non-reentrant
+        # checkpointing only (with LF's default, reentrant, it stops: "activation_policy.gpu=recompute
+        # requires non-reentrant gradient checkpointing with the KT context_fn")
         recipe.update(
-            use_kt=True, kt_config={"kt_backend": "AMXBF16", "kt_num_threads": cpu_infer or threads}
+            use_kt=True,
+            kt_config={"kt_backend": "AMXBF16", "kt_num_threads": cpu_infer or threads},
+            use_reentrant_gc=False,
         )
     if system.use_kt:
         recipe.update(use_kt=True, chunk_size=cutoff_len, kt_backend=system.backend)
