@@ -17,6 +17,7 @@ import pytest
 from kt_ft.placement.cost import (
     LayerShape,
     LayerSplit,
+    LayerTimes,
     Rates,
     layer_times,
     link_passes,
@@ -60,6 +61,27 @@ def test_layer_times_by_hand():
     assert t.cpu_s == pytest.approx(10) and t.gpu_s == pytest.approx(10 * 1e-6)
 
 
+def test_layer_time_overlaps_the_link_and_the_gpu_per_phase():
+    """cpu + max(link/2, forward GPU work) + max(link/2, recompute + backward GPU work), each phase's
+    GPU work being the experts' and its share of the layer's non-expert work (1/4 forward)."""
+    t = LayerTimes(cpu_s=1.0, link_s=4.0, gpu_s=2.0, gpu_fwd_s=0.5, nonexpert_s=2.0)
+    # forward: max(2, 0.5 + 0.5) = 2; backward: max(2, 1.5 + 1.5) = 3
+    assert t.seconds == pytest.approx(1 + 2 + 3) and t.bottleneck == "link"
+    # all hidden under the link in both phases: the link's time
+    assert LayerTimes(0.0, 8.0, 2.0, 0.5, 2.0).seconds == pytest.approx(8)
+    # no link: the GPU work, all of it
+    assert (
+        LayerTimes(0.0, 0.0, 2.0, 0.5, 2.0).seconds
+        == pytest.approx(4)
+        == LayerTimes(0, 0, 2, 0.5, 2).gpu_s + 2
+    )
+    # one max over the step would hide the backward's 3 s under the 4 s link; per phase it does not
+    assert LayerTimes(0.0, 4.0, 2.0, 0.5, 2.0).seconds > max(4.0, 2.0 + 2.0)
+    # times_from_pairs splits the experts' GPU work: forward fwd_flops, recompute + backward pair_flops
+    u = layer_times(SHAPE, LayerSplit((0, 1, 2, 3), ()), FAST, 0, T, nonexpert_s=0.25)
+    assert u.gpu_fwd_s == pytest.approx(u.gpu_s * 30_000 / 90_000) and u.nonexpert_s == 0.25
+
+
 def test_rates_must_exist_for_what_is_used():
     with pytest.raises(ValueError, match="link rate is unknown"):
         layer_times(SHAPE, LayerSplit((), (0,)), Rates(cpu_flops=1.0), 0, T)
@@ -74,7 +96,9 @@ def test_predict_memory_and_step():
     assert p.stream_buffer_bytes == 2 * 3 * B  # two buffers of the layer streaming the most (3)
     assert p.expert_activation_bytes == 15 * (3 * 50 + 100) * 4  # layer 1: 15 GPU pairs
     assert p.nonexpert_s == pytest.approx(1.0)
-    assert p.step_s == pytest.approx(sum(t.seconds for t in p.layers) + 1.0)
+    # the non-expert second spread over the two MoE layers, inside their times
+    assert [t.nonexpert_s for t in p.layers] == pytest.approx([0.5, 0.5])
+    assert p.step_s == pytest.approx(sum(t.seconds for t in p.layers))
     # layer 0: CPU 5 s; layer 1: CPU 5 s, link 3 s + activations
     assert [t.cpu_s for t in p.layers] == pytest.approx([5, 5])
 

@@ -202,12 +202,14 @@ def placement_section(
         key = (e.placement, r, st, c)
         if groups and groups[-1]["key"] == key:
             groups[-1]["layers"].append(e.layer)
-            for k in ("cpu_s", "link_s", "gpu_s", "step_s"):
-                groups[-1][k] += getattr(t, k.replace("step_s", "seconds"))
+            # gpu_s: the layer's experts and its share of the non-expert work (cost.py: phases)
+            for k, v in (("cpu_s", t.cpu_s), ("link_s", t.link_s), ("gpu_s", t.gpu_s + t.nonexpert_s),
+                         ("step_s", t.seconds)):  # fmt: skip
+                groups[-1][k] += v
         else:
             groups.append(
-                {"key": key, "layers": [e.layer], "cpu_s": t.cpu_s, "link_s": t.link_s, "gpu_s": t.gpu_s,
-                 "step_s": t.seconds}
+                {"key": key, "layers": [e.layer], "cpu_s": t.cpu_s, "link_s": t.link_s,
+                 "gpu_s": t.gpu_s + t.nonexpert_s, "step_s": t.seconds}
             )  # fmt: skip
     out_groups = []
     for g in groups:
@@ -256,7 +258,8 @@ def format_placement(section: dict) -> str:
     lines = ["", "  placement (cost model, kt_ft/placement/cost.py); rates:"]
     lines += [f"    {line}" for line in section["rates"]]
     lines += ["", f"  {'layers':<12}{'placement':<11}{'resident':>9}{'streamed':>9}{'cpu':>6}"
-              f"{'cpu ms':>10}{'link ms':>10}{'gpu ms':>10}{'max ms':>10}   (summed over the group's layers)"]  # fmt: skip
+              f"{'cpu ms':>10}{'link ms':>10}{'gpu ms':>10}{'step ms':>10}   (summed over the group's layers; gpu: "
+              "experts + the layers' share of the non-expert work)"]  # fmt: skip
     for g in section["groups"]:
         lines.append(
             f"  {g['layers']:<12}{g['placement']:<11}{g['resident']:>9}{g['streamed']:>9}{g['cpu']:>6}"

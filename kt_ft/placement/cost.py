@@ -19,20 +19,34 @@ scale; uniform when unknown) and pairs_e = T·k·p_e / Σp:
 * GPU:  gpu_s  = Σ_{e on GPU} pairs_e · (pair_flops + fwd_flops) / gpu_expert_flops
   (fwd_flops = 6·H·I + 6·r·(H + I): the GPU part's forward is recomputed under checkpointing)
 
-The link and the GPU overlap (the next layer's experts stream in while this one computes); the
-CPU op does not overlap them, so a layer takes cpu_s + max(link_s, gpu_s), and a step
-Σ_layers (...) + nonexpert_s, the non-expert GPU work (attention, dense/shared MLPs, head) from
-its FLOPs at the dense GPU rate (``non_expert_flops``) before a run starts, and as the run
-measured it once it has (``Rates.nonexpert_s``: at the dense rate the FLOPs said 159 ms for
-DeepSeek-V2-Lite's 2048 tokens where a whole all-resident micro-batch took 439 ms: the non-expert
-work is bound by the host's per-kernel time, LoRA's small products and attention, not by the
-matmul rate). Why the CPU time adds: a layer with CPU
-experts reads its routing on the host (one sync: the CPU op needs its pairs), so the host waits
-for every kernel queued before, the layer's own streamed weights included, and stops running
-ahead of the GPU; the CPU op then runs while the GPU computes only this layer's share. Measured
-through ``llamafactory-cli train`` (DeepSeek-V2-Lite, 27 layers, 2048 tokens, kt_gpu_memory 12):
-5 of 64 experts on the CPU in 25 streamed layers, planned as hidden under the link
-(max(...): 899 ms a micro-batch), ran at 2,614 ms; the sum predicts ~2,200 ms.
+Phases. Under gradient checkpointing a step is a forward, then per layer (last first) a
+recompute and a backward. A streamed layer crosses the link once in each phase (``link_passes``)
+while the GPU computes the layer before it: within a phase the link and the GPU overlap (the next
+layer's experts stream in while this one computes), so a layer takes, per phase,
+max(link / 2, GPU work of that phase). The GPU work of a phase is the experts' (forward:
+pairs·fwd_flops; recompute + backward: pairs·pair_flops) plus the layer's share of the non-expert
+work (attention, dense/shared MLPs, router, head: ``nonexpert_s`` spread evenly over the MoE
+layers, 1/4 of it in the forward -- forward once, recompute once, backward about twice the
+forward). The CPU op does not overlap them: a layer takes
+
+    cpu_s + max(link_s / 2, gpu_fwd_s + n / 4) + max(link_s / 2, gpu_bwd_s + 3 n / 4)
+
+and a step the sum over its MoE layers. Why the CPU time adds: a layer with CPU experts reads its
+routing on the host (one sync: the CPU op needs its pairs), so the host waits for every kernel
+queued before, the layer's own streamed weights included, and stops running ahead of the GPU;
+the CPU op then runs while the GPU computes only this layer's share. Measured through
+``llamafactory-cli train`` (DeepSeek-V2-Lite, 27 layers, 2048 tokens, kt_gpu_memory 12): 5 of 64
+experts on the CPU in 25 streamed layers, planned as hidden under the link (899 ms a micro-batch),
+ran at 2,614 ms; the sum predicts ~2,200 ms. Why the phases: with the link and all the GPU work
+simply added, streamed runs were predicted 1.29-1.36x slower than they ran (DeepSeek-V2-Lite and
+Qwen3-30B-A3B at 12 / 24 GiB); with one max over the whole step, the backward's GPU work (3/4 of
+it) was taken as hidden under a link that only carries half the step's bytes then.
+
+The non-expert work is its FLOPs at the dense GPU rate (``non_expert_flops``) before a run
+starts, and as the run measured it once it has (``Rates.nonexpert_s``,
+``placement/non_expert.py``): at the dense rate the FLOPs said 17 ms for DeepSeek-V2-Lite's 2048
+tokens where the run measured 244-385 ms -- the non-expert work is bound by the host's per-kernel
+time, LoRA's small products and attention, not by the matmul rate.
 
 GPU memory of the experts: resident weights + 2 layers of stream buffers (double buffering,
 sized for the layer with the most streamed experts) + one layer's expert activations (the
@@ -105,10 +119,10 @@ class Rates:
     link_bytes_s: float | None = None
     gpu_flops: float | None = None
     gpu_expert_flops: float | None = None
+    source: dict[str, str] = field(default_factory=dict, compare=False)  # figure -> where it came from
     # seconds of one micro-batch's non-expert work as a run measured it (``placement/non_expert.py``:
     # the model's forward + backward with the routed experts skipped); None: its FLOPs at gpu_flops
     nonexpert_s: float | None = None
-    source: dict[str, str] = field(default_factory=dict, compare=False)  # figure -> where it came from
 
     @property
     def has_gpu(self) -> bool:
@@ -131,20 +145,33 @@ class LayerSplit:
         return len(self.resident), len(self.streamed), num_experts - len(self.resident) - len(self.streamed)
 
 
+NONEXPERT_FORWARD_SHARE = 0.25  # of a layer's non-expert work, in the forward (module doc: phases)
+
+
 @dataclass(frozen=True)
 class LayerTimes:
+    """One MoE layer's seconds per step on each resource. ``gpu_s``: its experts' GPU work, of
+    which ``gpu_fwd_s`` in the forward; ``nonexpert_s``: its share of the non-expert GPU work."""
+
     cpu_s: float
     link_s: float
     gpu_s: float
+    gpu_fwd_s: float = 0.0
+    nonexpert_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        """The layer's time: the CPU op's, then the link and the GPU overlapped (module doc)."""
-        return self.cpu_s + max(self.link_s, self.gpu_s)
+        """The layer's time: the CPU op's, then per phase (forward; recompute + backward) the
+        link's half and the GPU's work of that phase overlapped (module doc)."""
+        n_fwd = self.nonexpert_s * NONEXPERT_FORWARD_SHARE
+        fwd = max(self.link_s / 2, self.gpu_fwd_s + n_fwd)
+        bwd = max(self.link_s / 2, self.gpu_s - self.gpu_fwd_s + self.nonexpert_s - n_fwd)
+        return self.cpu_s + fwd + bwd
 
     @property
     def bottleneck(self) -> str:
-        return max((self.cpu_s, "cpu"), (self.link_s, "link"), (self.gpu_s, "gpu"))[1]
+        gpu = self.gpu_s + self.nonexpert_s
+        return max((self.cpu_s, "cpu"), (self.link_s, "link"), (gpu, "gpu"))[1]
 
 
 def pairs_per_expert(shape: LayerShape, popularity: Sequence[float] | None, tokens: int) -> list[float]:
@@ -169,9 +196,11 @@ def times_from_pairs(
     gpu_pairs: float,
     n_streamed: int,
     passes: float = PASSES,
+    nonexpert_s: float = 0.0,
 ) -> LayerTimes:
     """The per-resource times of one layer from its pair counts and its number of streamed experts
-    (``passes``: crossings a step of its streamed weights, ``link_passes``)."""
+    (``passes``: crossings a step of its streamed weights, ``link_passes``; ``nonexpert_s``: the
+    layer's share of the non-expert GPU work)."""
     cpu_s = 0.0
     if cpu_pairs > 0:
         if rates.cpu_flops is None:
@@ -188,12 +217,13 @@ def times_from_pairs(
         if n_streamed and rates.link_bytes_s is None:
             raise ValueError("experts are streamed but the link rate is unknown")
         link_s = link_bytes / rates.link_bytes_s
-    gpu_s = 0.0
+    gpu_s = gpu_fwd_s = 0.0
     if gpu_pairs > 0:
         if rates.expert_flops is None:
             raise ValueError("the GPU computes experts but the GPU rate is unknown")
         gpu_s = gpu_pairs * (shape.pair_flops(rank) + shape.forward_flops(rank)) / rates.expert_flops
-    return LayerTimes(cpu_s, link_s, gpu_s)
+        gpu_fwd_s = gpu_pairs * shape.forward_flops(rank) / rates.expert_flops
+    return LayerTimes(cpu_s, link_s, gpu_s, gpu_fwd_s, nonexpert_s)
 
 
 def layer_times(
@@ -204,13 +234,15 @@ def layer_times(
     tokens: int,
     popularity: Sequence[float] | None = None,
     passes: float = PASSES,
+    nonexpert_s: float = 0.0,
 ) -> LayerTimes:
     """Predicted seconds per step on each resource for one MoE layer under ``split``."""
     pairs = pairs_per_expert(shape, popularity, tokens)
     on_gpu = set(split.resident) | set(split.streamed)
     gpu_pairs = sum(pairs[e] for e in on_gpu)
     cpu_pairs = sum(p for e, p in enumerate(pairs) if e not in on_gpu)
-    return times_from_pairs(shape, rates, rank, tokens, cpu_pairs, gpu_pairs, len(split.streamed), passes)
+    n = len(split.streamed)
+    return times_from_pairs(shape, rates, rank, tokens, cpu_pairs, gpu_pairs, n, passes, nonexpert_s)
 
 
 def non_expert_flops(
@@ -249,7 +281,10 @@ class Prediction:
 
     @property
     def step_s(self) -> float:
-        return sum(t.seconds for t in self.layers) + self.nonexpert_s
+        """The layers' time (each with its share of the non-expert work) and whatever of the
+        non-expert work no layer took (a model without MoE layers)."""
+        spread = sum(t.nonexpert_s for t in self.layers)
+        return sum(t.seconds for t in self.layers) + max(0.0, self.nonexpert_s - spread)
 
     @property
     def expert_gpu_bytes(self) -> int:
@@ -266,10 +301,19 @@ class Prediction:
     @property
     def bottleneck(self) -> str:
         """The resource that bounds the most layers' time (their summed seconds)."""
-        by: dict[str, float] = {"cpu": 0.0, "link": 0.0, "gpu": self.nonexpert_s}
+        spread = sum(t.nonexpert_s for t in self.layers)
+        by: dict[str, float] = {"cpu": 0.0, "link": 0.0, "gpu": max(0.0, self.nonexpert_s - spread)}
         for t in self.layers:
             by[t.bottleneck] += t.seconds
         return max(by.items(), key=lambda kv: kv[1])[0]
+
+
+def nonexpert_seconds(rates: Rates, nonexpert_flops: float) -> float:
+    """A micro-batch's non-expert GPU work: as the run measured it, else its FLOPs at the dense
+    rate (0 without a GPU rate)."""
+    if rates.nonexpert_s is not None:
+        return rates.nonexpert_s
+    return nonexpert_flops / rates.gpu_flops if rates.gpu_flops else 0.0
 
 
 def expert_gpu_bytes(
@@ -310,10 +354,10 @@ def predict(
     if stream_layers is None:
         stream_layers = sum(1 for s in splits if s.streamed)
     passes = link_passes(stream_layers)
-    times = [layer_times(sh, s, rates, rank, tokens, p, passes) for sh, s, p in zip(shapes, splits, pops)]
-    if rates.nonexpert_s is not None:
-        nonexpert_s = rates.nonexpert_s
-    else:
-        nonexpert_s = nonexpert_flops / rates.gpu_flops if rates.gpu_flops else 0.0
+    nonexpert_s = nonexpert_seconds(rates, nonexpert_flops)
+    share = nonexpert_s / len(shapes) if shapes else 0.0
+    times = [
+        layer_times(sh, s, rates, rank, tokens, p, passes, share) for sh, s, p in zip(shapes, splits, pops)
+    ]
     res, buf, act = expert_gpu_bytes(shapes, splits, tokens, popularity)
     return Prediction(times, nonexpert_s, res, buf, act)

@@ -315,7 +315,7 @@ def machine_rates(
         )
     if changed:
         _save_cache(data)
-    return apply_overrides(Rates(cpu, link, gpu, gpu_e, source=src), overrides, shape, rank)
+    return apply_overrides(Rates(cpu, link, gpu, gpu_e, src), overrides, shape, rank)
 
 
 def cpu_rate_key(shape: LayerShape, backend: str, threads: int, tokens: int) -> str:

@@ -11,8 +11,8 @@ Search: for every stream-buffer size S (the most experts any layer streams, 0..E
 streaming is not available), the memory left after 2·S experts of buffers and one layer's GPU
 activations (worst case: every pair of a layer on the GPU) goes to resident experts, taken in one
 global order (most routed pairs first, then lower layer, then lower id) until the next does not
-fit; then each layer takes the s <= min(S, E - r) that minimises its time, cpu + max(link, gpu) (ties: the
-smaller s). The S with the smallest predicted step wins (ties: the smaller S, less memory).
+fit; then each layer takes the s <= min(S, E - r) that minimises its time (``cost.LayerTimes.seconds``:
+the CPU's, then the link and the GPU overlapped per phase; ties: the smaller s). The S with the smallest predicted step wins (ties: the smaller S, less memory).
 Deterministic for the same inputs.
 
 Where the resident layers sit. When a split streams, layers that the model cannot tell apart
@@ -41,6 +41,7 @@ from .cost import (
     Prediction,
     Rates,
     link_passes,
+    nonexpert_seconds,
     pairs_per_expert,
     predict,
     times_from_pairs,
@@ -98,8 +99,9 @@ class _StreamSearch:
     Memoised per (layer class, r) as running minima over s, so layers with the same shape and
     ranked pairs (every layer, with uniform popularity) share the work."""
 
-    def __init__(self, rates: Rates, rank: int, tokens: int, passes: float) -> None:
+    def __init__(self, rates: Rates, rank: int, tokens: int, passes: float, nonexpert_s: float = 0.0) -> None:
         self.rates, self.rank, self.tokens, self.passes = rates, rank, tokens, passes
+        self.nonexpert_s = nonexpert_s  # each layer's share of the non-expert GPU work
         self._memo: dict[tuple, list[tuple[int, float]]] = {}
 
     def best(self, key, shape: LayerShape, prefix: list[float], r: int, s_max: int) -> tuple[int, float]:
@@ -109,8 +111,9 @@ class _StreamSearch:
             s = len(run)
             gpu_pairs = prefix[r + s]
             t = times_from_pairs(
-                shape, self.rates, self.rank, self.tokens, total - gpu_pairs, gpu_pairs, s, self.passes
-            ).seconds
+                shape, self.rates, self.rank, self.tokens, total - gpu_pairs, gpu_pairs, s, self.passes,
+                self.nonexpert_s,
+            ).seconds  # fmt: skip
             run.append((s, t) if not run or t < run[-1][1] * (1 - _REL_TIE) else run[-1])
         return run[s_max]
 
@@ -221,7 +224,8 @@ def choose_splits(
 
     # the link crossings of a streamed layer as in the real model (every layer may stream: under a
     # cap that streams at all, nearly every layer does), its depth len(inputs) x layer_scale
-    search = _StreamSearch(rates, rank, tokens, link_passes(round(len(inputs) * layer_scale)))
+    share = nonexpert_seconds(rates, nonexpert_flops) / len(inputs)  # as ``predict`` spreads it
+    search = _StreamSearch(rates, rank, tokens, link_passes(round(len(inputs) * layer_scale)), share)
     classes: dict[tuple, int] = {}
     keys = [classes.setdefault((sh, tuple(pre)), len(classes)) for sh, pre in zip(shapes, prefixes)]
     lora_bytes = [
