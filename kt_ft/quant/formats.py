@@ -1,0 +1,240 @@
+"""Quantized weight formats kt-ft reads and writes: how one linear weight W [out, in] is stored.
+
+Each format stores W as a few tensors named after the weight's key (``X.weight`` ->
+``X.<name>``) and says how to get W back. The three layouts are the ones models are
+distributed in, so kt-ft reads those checkpoints as they are:
+
+* ``fp8`` (DeepSeek-V3/R1 ``quant_method: fp8``): ``weight`` float8_e4m3fn [out, in] and
+  ``weight_scale_inv`` float32 [ceil(out/128), ceil(in/128)]; W = q * s per 128x128 block
+  (the name says "inv" but the stored value multiplies, as DeepSeek's own dequantizer does).
+* ``int4`` (compressed-tensors ``pack-quantized``, Kimi K2 Thinking's routed experts):
+  symmetric, groups of 32 along ``in``: ``weight_packed`` int32 [out, ceil(in/8)] (eight
+  4-bit codes per word, code j of a word in bits 4j..4j+3, code = q + 8 with q in [-8, 7]),
+  ``weight_scale`` bf16 [out, ceil(in/32)], ``weight_shape`` int32 [2] = (out, in); W = q * s.
+* ``int8`` (compressed-tensors ``int-quantized``, channel strategy): ``weight`` int8 [out, in]
+  and ``weight_scale`` float32 [out, 1], symmetric; W = q * s per output row.
+
+The dequantizers here are vectorised (the path training takes); ``reference.py`` holds plain
+twins written differently (loops over blocks, groups and nibbles) that the tests compare
+against. All dequantizers compute in float32 and round once to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT4_GROUP = 32
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One stored tensor of a quantized weight: its name suffix, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class QuantFormat:
+    """One storage format. Subclasses give the stored tensors, quantize and dequantize."""
+
+    name: str = ""
+    description: str = ""
+
+    def stored(self, out: int, inp: int) -> tuple[Stored, ...]:
+        """The tensors one weight [out, in] is stored as (shapes and dtypes the files must have)."""
+        raise NotImplementedError
+
+    def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """w [out, in] (any float dtype) -> {suffix: tensor} as ``stored`` says (CPU, contiguous)."""
+        raise NotImplementedError
+
+    def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """{suffix: tensor} of one weight -> W [out, in] in ``dtype`` (computed in float32)."""
+        raise NotImplementedError
+
+    def quantization_config(self) -> dict:
+        """The ``quantization_config`` of config.json for a checkpoint in this format."""
+        raise NotImplementedError
+
+    def nbytes(self, out: int, inp: int) -> int:
+        """Bytes one weight [out, in] takes stored."""
+        return sum(math.prod(s.shape) * s.dtype.itemsize for s in self.stored(out, inp))
+
+    def marker(self) -> str:
+        """The stored tensor whose presence says a weight is in this format (not ``weight``)."""
+        return next(s.name for s in self.stored(1, 1) if s.name != "weight")
+
+    def __repr__(self) -> str:
+        return f"QuantFormat({self.name})"
+
+
+class Fp8Block(QuantFormat):
+    name = "fp8"
+    description = "float8 e4m3 weights, float32 scale per 128x128 block (DeepSeek-V3 `quant_method: fp8`)"
+
+    def stored(self, out, inp):
+        b = FP8_BLOCK
+        return (
+            Stored("weight", (out, inp), torch.float8_e4m3fn),
+            Stored("weight_scale_inv", (-(-out // b), -(-inp // b)), torch.float32),
+        )
+
+    def quantize(self, w):
+        out, inp = w.shape
+        b = FP8_BLOCK
+        wf = w.float()
+        rows, cols = -(-out // b), -(-inp // b)
+        padded = torch.zeros(rows * b, cols * b)
+        padded[:out, :inp] = wf
+        blocks = padded.view(rows, b, cols, b)
+        # one scale per block: its largest |w| maps to e4m3's largest finite value
+        scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX  # [rows, cols]
+        q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q = q.view(rows * b, cols * b)[:out, :inp].contiguous()
+        return {"weight": q, "weight_scale_inv": scale.contiguous()}
+
+    def dequantize(self, parts, dtype):
+        q, s = parts["weight"], parts["weight_scale_inv"]
+        out, inp = q.shape
+        b = FP8_BLOCK
+        # scale broadcast over its block without a full-size scale tensor when the shape divides
+        if out % b == 0 and inp % b == 0:
+            w = q.float().view(out // b, b, inp // b, b) * s.float()[:, None, :, None]
+            return w.view(out, inp).to(dtype)
+        full = s.float().repeat_interleave(b, 0)[:out].repeat_interleave(b, 1)[:, :inp]
+        return (q.float() * full).to(dtype)
+
+    def quantization_config(self):
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        }
+
+
+class Int4Packed(QuantFormat):
+    name = "int4"
+    description = "int4 symmetric, bf16 scale per group of 32 inputs, packed 8 to an int32 (compressed-tensors pack-quantized)"
+
+    def stored(self, out, inp):
+        return (
+            Stored("weight_packed", (out, -(-inp // 8)), torch.int32),
+            Stored("weight_scale", (out, -(-inp // INT4_GROUP)), torch.bfloat16),
+            Stored("weight_shape", (2,), torch.int32),
+        )
+
+    def quantize(self, w):
+        out, inp = w.shape
+        g = INT4_GROUP
+        groups = -(-inp // g)
+        padded = torch.zeros(out, groups * g)
+        padded[:, :inp] = w.float()
+        # compressed-tensors' symmetric scale: the group's largest |w| over half the code range (15/2)
+        scale = (padded.view(out, groups, g).abs().amax(-1) / 7.5).clamp_min(1e-12).to(torch.bfloat16)
+        q = torch.round(padded.view(out, groups, g) / scale.float()[..., None]).clamp(-8, 7)
+        codes = (q.view(out, groups * g)[:, :inp].to(torch.int64) + 8)  # offset encoding, 0..15
+        words = -(-inp // 8)
+        codes = torch.nn.functional.pad(codes, (0, words * 8 - inp)).view(out, words, 8)
+        shifts = torch.arange(8, dtype=torch.int64) * 4
+        packed = (codes << shifts).sum(-1)  # < 2^32: reinterpret as signed int32
+        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        return {
+            "weight_packed": packed.contiguous(),
+            "weight_scale": scale.contiguous(),
+            "weight_shape": torch.tensor([out, inp], dtype=torch.int32),
+        }
+
+    def dequantize(self, parts, dtype):
+        packed, s = parts["weight_packed"], parts["weight_scale"]
+        out, inp = (int(v) for v in parts["weight_shape"])
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+        codes = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, masked: [out, words, 8]
+        q = codes.view(out, -1)[:, :inp].float() - 8
+        g = INT4_GROUP
+        if inp % g == 0:
+            return (q.view(out, inp // g, g) * s.float()[..., None]).view(out, inp).to(dtype)
+        return (q * s.float().repeat_interleave(g, 1)[:, :inp]).to(dtype)
+
+    def quantization_config(self):
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": INT4_GROUP,
+                        "dynamic": False,
+                        "actorder": None,
+                        "observer": "minmax",
+                    },
+                    "input_activations": None,
+                    "output_activations": None,
+                }
+            },
+        }
+
+
+class Int8Channel(QuantFormat):
+    name = "int8"
+    description = "int8 symmetric, float32 scale per output channel (compressed-tensors int-quantized)"
+
+    def stored(self, out, inp):
+        return (Stored("weight", (out, inp), torch.int8), Stored("weight_scale", (out, 1), torch.float32))
+
+    def quantize(self, w):
+        wf = w.float()
+        scale = (wf.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
+        q = torch.round(wf / scale).clamp(-127, 127).to(torch.int8)
+        return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
+
+    def dequantize(self, parts, dtype):
+        return (parts["weight"].float() * parts["weight_scale"].float()).to(dtype)
+
+    def quantization_config(self):
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "int-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "channel",
+                        "group_size": None,
+                        "dynamic": False,
+                        "observer": "minmax",
+                    },
+                    "input_activations": None,
+                    "output_activations": None,
+                }
+            },
+        }
+
+
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Int8Channel(), Fp8Block(), Int4Packed())}
+
+# safetensors header dtype names of the tensors the formats store
+ST_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I8": torch.int8,
+    "I32": torch.int32,
+}
