@@ -103,7 +103,12 @@ def replace_routed_experts(
         spec = place.spec or DEFAULT_SPEC
         key = (place.backend, spec)
         if key not in backends:
-            backends[key] = select_backend(place.backend, hf.gate_up_proj.dtype, spec)
+            backends[key] = select_backend(
+                place.backend,
+                hf.gate_up_proj.dtype,
+                spec,
+                getattr(getattr(hf.gate_up_proj, "fmt", None), "name", None),
+            )
         proto, reason = backends[key]
         backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
         gpu = place.gpu_experts
@@ -140,7 +145,7 @@ def replace_routed_experts(
         if kt.lora_on_device:
             lora_dev_layers.append(place.layer)
         lora_params += sum(t.numel() for t in kt.lora_tensors())
-        expert_bytes += sum(p.numel() * p.element_size() for p in kt.base_parameters())
+        expert_bytes += kt.base_nbytes()
     if overlapped:
         logger.info(f"shared experts: {'; '.join(sorted(overlapped))} (KT_FT_OVERLAP_SHARED=0 turns it off)")
     names = ", ".join(sorted({b.name for b, _ in backends.values()}))

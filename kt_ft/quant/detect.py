@@ -27,14 +27,26 @@ def _get(qc: Any, key: str, default: Any = None) -> Any:
 def quantization_config(config: Any) -> dict | None:
     """The config's ``quantization_config`` as a dict (text config of a composite too), or None."""
     for c in (config, getattr(config, "text_config", None)):
-        qc = None if c is None else (c.get("quantization_config") if isinstance(c, dict) else getattr(c, "quantization_config", None))
+        qc = (
+            None
+            if c is None
+            else (
+                c.get("quantization_config")
+                if isinstance(c, dict)
+                else getattr(c, "quantization_config", None)
+            )
+        )
         if qc is not None:
-            return qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc)))
+            return (
+                qc if isinstance(qc, dict) else (qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc)))
+            )
     return None
 
 
 def _bad(where: str, key: str, value: Any, valid: str) -> KTConfigError:
-    return KTConfigError(f"{where}: {key}={value!r} is not a quantization kt-ft reads; supported: {valid}; {_FIX}")
+    return KTConfigError(
+        f"{where}: {key}={value!r} is not a quantization kt-ft reads; supported: {valid}; {_FIX}"
+    )
 
 
 def _compressed_tensors(qc: dict, where: str) -> QuantFormat:
@@ -44,11 +56,16 @@ def _compressed_tensors(qc: dict, where: str) -> QuantFormat:
         raise _bad(where, "quantization_config.format", fmt, SUPPORTED)
     if len(groups) != 1:
         raise _bad(where, "quantization_config.config_groups", sorted(groups), "exactly one group")
-    (name, group), = groups.items()
+    ((name, group),) = groups.items()
     w = group.get("weights") or {}
     key = f"quantization_config.config_groups.{name}.weights"
     if group.get("input_activations") or group.get("output_activations"):
-        raise _bad(where, f"quantization_config.config_groups.{name}.input_activations", group.get("input_activations"), "weight-only quantization (null activations)")
+        raise _bad(
+            where,
+            f"quantization_config.config_groups.{name}.input_activations",
+            group.get("input_activations"),
+            "weight-only quantization (null activations)",
+        )
     want = (
         {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": INT4_GROUP}
         if fmt == "pack-quantized"
@@ -65,7 +82,12 @@ def _fp8(qc: dict, where: str) -> QuantFormat:
         raise _bad(where, "quantization_config.fmt", qc.get("fmt"), "e4m3")
     block = qc.get("weight_block_size")
     if block is None or list(block) != [FP8_BLOCK, FP8_BLOCK]:
-        raise _bad(where, "quantization_config.weight_block_size", block, f"[{FP8_BLOCK}, {FP8_BLOCK}] (per-block scales)")
+        raise _bad(
+            where,
+            "quantization_config.weight_block_size",
+            block,
+            f"[{FP8_BLOCK}, {FP8_BLOCK}] (per-block scales)",
+        )
     return FORMATS["fp8"]
 
 
@@ -87,3 +109,15 @@ def detect_format(config: Any, source: str | Path = "config.json") -> QuantForma
 def config_source(model_dir: str | Path | None) -> str:
     """``<model_dir>/config.json`` for errors (or ``config.json`` when there is no directory)."""
     return str(Path(model_dir) / "config.json") if model_dir else "config.json"
+
+
+def take_quantization_config(config: Any, source: str | Path = "config.json") -> QuantFormat | None:
+    """``detect_format``, then remove ``quantization_config`` from ``config`` (and its text config)
+    so transformers loads the checkpoint as a plain model: kt-ft reads the quantized tensors itself
+    (``loading.py``). Raises before anything is removed when the method is not supported."""
+    fmt = detect_format(config, source)
+    if fmt is not None:
+        for c in (config, getattr(config, "text_config", None)):
+            if c is not None and getattr(c, "quantization_config", None) is not None:
+                delattr(c, "quantization_config")
+    return fmt

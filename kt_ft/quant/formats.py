@@ -139,7 +139,7 @@ class Int4Packed(QuantFormat):
         # compressed-tensors' symmetric scale: the group's largest |w| over half the code range (15/2)
         scale = (padded.view(out, groups, g).abs().amax(-1) / 7.5).clamp_min(1e-12).to(torch.bfloat16)
         q = torch.round(padded.view(out, groups, g) / scale.float()[..., None]).clamp(-8, 7)
-        codes = (q.view(out, groups * g)[:, :inp].to(torch.int64) + 8)  # offset encoding, 0..15
+        codes = q.view(out, groups * g)[:, :inp].to(torch.int64) + 8  # offset encoding, 0..15
         words = -(-inp // 8)
         codes = torch.nn.functional.pad(codes, (0, words * 8 - inp)).view(out, words, 8)
         shifts = torch.arange(8, dtype=torch.int64) * 4
