@@ -12,7 +12,10 @@ serving engines) read the result as they read those:
   files.
 
 ``dequantize`` is the inverse (every stored-quantized weight back to one dtype, the
-``quantization_config`` dropped): a plain checkpoint ``merge`` and transformers read.
+``quantization_config`` dropped): a plain checkpoint ``merge`` and transformers read. Its
+config.json records ``kt_ft_dequantized_from`` (the format and the sha256 of the quantized
+checkpoint's config.json), so ``merge`` accepts it as the base of an adapter trained on the
+quantized checkpoint.
 
 Both write into a hidden temporary directory beside ``OUT`` and rename it to ``OUT`` at the end,
 so ``OUT`` is either absent or complete; one input shard is in memory at a time. Tokenizer,
@@ -33,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from ..checkpoint.atomic import sha256_file
 from ..errors import KTConfigError
 from ..log import get_logger
 from ..quant.detect import config_source, detect_format
@@ -44,6 +48,7 @@ logger = get_logger(__name__)
 INDEX = "model.safetensors.index.json"
 ROUTED = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 PROJ = re.compile(r"(proj|proj_with_mqa|\.w[123])\.weight$")
+DEQUANTIZED_FROM = "kt_ft_dequantized_from"  # config.json key: the quantized checkpoint's config sha256
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -198,8 +203,12 @@ def dequantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str
         counts["kept"] += 1
         return {key: f.get_tensor(key)}
 
+    source_sha = sha256_file(model_dir / "config.json")
+
     def edit(config):
         config.pop("quantization_config", None)
+        # ``kt-ft merge`` takes this directory as the base of an adapter trained on the quantized one
+        config[DEQUANTIZED_FROM] = {"format": fmt.name, "config_sha256": source_sha}
         config["torch_dtype"] = config["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[
             dtype
         ]

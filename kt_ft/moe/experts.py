@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import KTConfigError
 from ..kernels.base import (
     DEFAULT_SPEC,
     LORA_NAMES,
@@ -33,7 +34,6 @@ from ..kernels.base import (
     LoraTensors,
     accum_dtype,
 )
-from ..errors import KTConfigError
 from ..lora.fused import init_expert_lora
 from ..quant.weights import is_quantized
 from .beside import SharedBeside
