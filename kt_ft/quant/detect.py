@@ -43,9 +43,10 @@ def quantization_config(config: Any) -> dict | None:
     return None
 
 
-def _bad(where: str, key: str, value: Any, valid: str) -> KTConfigError:
+def _bad(where: str, key: str, value: Any, expected: str | None = None) -> KTConfigError:
+    want = f" (expected {expected})" if expected else ""
     return KTConfigError(
-        f"{where}: {key}={value!r} is not a quantization kt-ft reads; supported: {valid}; {_FIX}"
+        f"{where}: {key}={value!r} is not a quantization kt-ft reads{want}; supported: {SUPPORTED}; {_FIX}"
     )
 
 
@@ -53,7 +54,7 @@ def _compressed_tensors(qc: dict, where: str) -> QuantFormat:
     fmt = qc.get("format")
     groups = qc.get("config_groups") or {}
     if fmt not in ("pack-quantized", "int-quantized"):
-        raise _bad(where, "quantization_config.format", fmt, SUPPORTED)
+        raise _bad(where, "quantization_config.format", fmt, "pack-quantized or int-quantized")
     if len(groups) != 1:
         raise _bad(where, "quantization_config.config_groups", sorted(groups), "exactly one group")
     ((name, group),) = groups.items()
@@ -73,7 +74,7 @@ def _compressed_tensors(qc: dict, where: str) -> QuantFormat:
     )
     for k, v in want.items():
         if w.get(k) != v:
-            raise _bad(where, f"{key}.{k}", w.get(k), f"{v!r} with format {fmt} ({SUPPORTED})")
+            raise _bad(where, f"{key}.{k}", w.get(k), f"{v!r} with format {fmt}")
     return FORMATS["int4" if fmt == "pack-quantized" else "int8"]
 
 
@@ -103,7 +104,7 @@ def detect_format(config: Any, source: str | Path = "config.json") -> QuantForma
         return _fp8(qc, where)
     if method == "compressed-tensors":
         return _compressed_tensors(qc, where)
-    raise _bad(where, "quantization_config.quant_method", method, SUPPORTED)
+    raise _bad(where, "quantization_config.quant_method", method)
 
 
 def config_source(model_dir: str | Path | None) -> str:

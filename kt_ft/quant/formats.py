@@ -119,6 +119,18 @@ class Fp8Block(QuantFormat):
         }
 
 
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] integers in [-8, 7] (any dtype) -> int32 [out, ceil(in/8)]: code j of a word in
+    bits 4j..4j+3, code = q + 8 (compressed-tensors' ``pack_to_int32`` along the input dim)."""
+    out, inp = q.shape
+    codes = q.to(torch.int64) + 8  # offset encoding, 0..15
+    words = -(-inp // 8)
+    codes = torch.nn.functional.pad(codes, (0, words * 8 - inp), value=8).view(out, words, 8)
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    packed = (codes << shifts).sum(-1)  # < 2^32: the same bits as a signed int32
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).contiguous()
+
+
 class Int4Packed(QuantFormat):
     name = "int4"
     description = "int4 symmetric, bf16 scale per group of 32 inputs, packed 8 to an int32 (compressed-tensors pack-quantized)"
@@ -139,14 +151,8 @@ class Int4Packed(QuantFormat):
         # compressed-tensors' symmetric scale: the group's largest |w| over half the code range (15/2)
         scale = (padded.view(out, groups, g).abs().amax(-1) / 7.5).clamp_min(1e-12).to(torch.bfloat16)
         q = torch.round(padded.view(out, groups, g) / scale.float()[..., None]).clamp(-8, 7)
-        codes = q.view(out, groups * g)[:, :inp].to(torch.int64) + 8  # offset encoding, 0..15
-        words = -(-inp // 8)
-        codes = torch.nn.functional.pad(codes, (0, words * 8 - inp)).view(out, words, 8)
-        shifts = torch.arange(8, dtype=torch.int64) * 4
-        packed = (codes << shifts).sum(-1)  # < 2^32: reinterpret as signed int32
-        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
         return {
-            "weight_packed": packed.contiguous(),
+            "weight_packed": pack_int4(q.view(out, groups * g)[:, :inp]),
             "weight_scale": scale.contiguous(),
             "weight_shape": torch.tensor([out, inp], dtype=torch.int32),
         }

@@ -47,6 +47,13 @@ class QuantizedExperts:
     def shape(self) -> torch.Size:
         return torch.Size((self.num_experts, sum(self.part_rows), self.cols))
 
+    def dim(self) -> int:
+        return 3
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
     @property
     def device(self) -> torch.device:
         return next(iter(self.parts[0].values())).device
