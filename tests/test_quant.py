@@ -302,10 +302,30 @@ def test_unsupported_backends_and_device_experts_are_refused(tiny_ckpts):
     backend, why = select_backend("auto", torch.bfloat16, None, "fp8")
     assert backend.name == "torch" and "fp8" in why
     model, _ = _load(tiny_ckpts / "fp8", "torch", torch.bfloat16)
-    with pytest.raises(KTConfigError, match="resident experts .* not supported yet"):
-        model.model.layers[1].mlp.experts.set_placement((0, 1), ())
     with pytest.raises(KTConfigError, match="streamed experts .* not supported yet"):
         model.model.layers[1].mlp.experts.set_placement((), (2,))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_resident_quantized_experts_match_the_dequantized_model(tiny_ckpts, tmp_path, fmt):
+    """Experts 0, 3, 5 of each layer resident on the "device" (the CPU here, as tests/test_resident.py
+    does: the split and the device products run as on a GPU), kept quantized there and dequantized
+    one expert at a time; the rest by the CPU op. Same loss and gradients as the dequantized fp32
+    model on the reference backend (tolerances of the module doc)."""
+    print(f"seed {SEED}")
+    plain = tmp_path / "fp32"
+    dequantize_checkpoint(tiny_ckpts / fmt, plain, "fp32")
+    want_loss, want = _loss_and_grads(_load(plain, "reference")[0])
+    model, _ = _load(tiny_ckpts / fmt, "torch")
+    for layer in model.model.layers[1:]:
+        layer.mlp.experts.set_placement((0, 3, 5), (), torch.device("cpu"))
+        res = layer.mlp.experts.resident
+        assert isinstance(res.weights.gate_up, QuantizedExperts) and res.weights.num_experts == 3
+        assert res.nbytes() == res.weights.gate_up.nbytes() + res.weights.down.nbytes()
+    loss, got = _loss_and_grads(model)
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss), (loss, want_loss)
+    for n, g in want.items():
+        assert (got[n] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-12, n
 
 
 # --- memory: the experts stay quantized -------------------------------------------------------
