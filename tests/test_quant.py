@@ -474,6 +474,28 @@ def test_rules_plan_counts_fp8_experts_as_stored(tmp_path, capsys):
     assert fp8["devices"]["cpu"]["total_bytes"] <= 800e9 < bf16["devices"]["cpu"]["total_bytes"]
 
 
+def test_rules_plan_counts_int4_experts_as_stored(tmp_path, capsys):
+    """Kimi K2's shapes (as a deepseek_v3 config: 61 layers, 384 experts of H 7168, I 2048) with
+    its routed experts INT4 (compressed-tensors pack-quantized, group 32): each weight 0.5 byte
+    packed + a bf16 scale per 32 + its int32 shape pair: 571 GB of weights in RAM (the CPU's total,
+    684 GB, adds 81 GB of fp32 AdamW state of the rank-8 expert LoRA and the activations)."""
+    k2 = {**DEEPSEEK_V3, "n_routed_experts": 384, "first_k_dense_replace": 1, "num_attention_heads": 64}
+    k2["vocab_size"], k2["n_group"], k2["topk_group"] = 163840, 1, 1
+    k2["quantization_config"] = FORMATS["int4"].quantization_config()
+    int4 = _plan(tmp_path, k2, capsys)
+    assert int4["expert_format"] == "int4"
+    layers, e, h, i = 61 - 1, 384, 7168, 2048
+    per_weight = h * i // 2 + h * i // 32 * 2 + 8  # packed + scales + shape, each of 3 per expert
+    experts = layers * e * 3 * per_weight
+    non_expert_cpu = int4["devices"]["cpu"]["param_bytes"] - experts
+    assert 0 <= non_expert_cpu < 1e6, non_expert_cpu  # everything else on the GPU
+    cpu = int4["devices"]["cpu"]
+    print(
+        f"Kimi-K2-shaped int4 CPU: weights {cpu['param_bytes'] / 1e9:.0f} GB, total {cpu['total_bytes'] / 1e9:.0f} GB"
+    )
+    assert cpu["param_bytes"] <= 640e9
+
+
 # --- checkpoints: manifest and merge -----------------------------------------------------------
 
 
