@@ -33,6 +33,7 @@ from torch import nn
 
 from ..errors import KTConfigError
 from ..log import get_logger
+from ..quant.detect import config_source, take_quantization_config
 from ..rules import make_plan
 from ..rules.plan import PlacementPlan
 from ..rules.skeleton import meta_model
@@ -112,7 +113,10 @@ def plan_expert_reader(model_dir, config, expert_names: list[str], quant=None):
     quantized format (``kt_ft.quant.take_quantization_config``): a ``QuantizedExpertReader`` then,
     or an error saying why kt-ft cannot read it (transformers would not keep the experts quantized)."""
     if quant is not None:
-        from ..quant.loading import QuantizedExpertReader, find_quantized_sources
+        from ..quant.loading import (
+            QuantizedExpertReader,
+            find_quantized_sources,
+        )  # why: quant.loading imports moe
 
         path = Path(str(model_dir))
         if not enabled(STREAM_ENV) or not path.is_dir():
@@ -142,8 +146,6 @@ def load_planned(model_dir, device_map: dict, plan: PlacementPlan, **kwargs) -> 
     the routed experts of ``plan`` read by kt-ft where it can (scripts and benchmarks; LLaMA-Factory
     goes through ``kt_ft.llamafactory.model.plan_loading``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..quant.detect import config_source, take_quantization_config
 
     config = kwargs.pop("config", None) or AutoConfig.from_pretrained(model_dir)
     # a quantized checkpoint: refused here when kt-ft does not read its method; else transformers
