@@ -126,6 +126,12 @@ def plan_expert_reader(model_dir, config, expert_names: list[str], quant=None):
                 f"give a local checkpoint directory (with {STREAM_ENV} unset)"
             )
         sources = find_quantized_sources(path, meta_model(config, torch.bfloat16), expert_names, quant)
+        stored = ", ".join(s.name for s in quant.stored(1, 1))
+        logger.info(
+            f"{model_dir}: {quant.name} checkpoint; transformers loads it as a plain model, so its load report "
+            f"lists the quantized tensors ({stored}) as UNEXPECTED and may list the routed experts as MISSING: "
+            "kt-ft reads those itself right after it (routed experts kept quantized, the rest dequantized)"
+        )
         return QuantizedExpertReader(path, list(expert_names), sources, quant)
     if not enabled(STREAM_ENV):
         logger.info(f"{STREAM_ENV}=0: transformers loads the routed experts")
