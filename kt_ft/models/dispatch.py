@@ -26,6 +26,7 @@ from ..errors import KTConfigError
 from ..kernels import LoraTensors, select_backend
 from ..kernels.base import ExpertWeights
 from ..moe.function import CPUExpertsFunction, ExpertRunner
+from ..quant.weights import is_quantized
 from .interface import derive_spec
 
 IMPLEMENTATION = "kt_ft"
@@ -70,8 +71,9 @@ def _runner(module: torch.nn.Module):
             f"experts_implementation='kt_ft' on {type(module).__name__}: its weights are on "
             f"{tensors[0].device}; kt-ft's CPU op reads them in CPU memory (valid: cpu)"
         )
-    base = ExpertWeights(*(None if t is None else t.detach() for t in tensors), spec=spec)
-    backend, _ = select_backend("torch", base.gate_up.dtype, spec)
+    # weights kept quantized (``kt_ft.quant``) are read as they are, one expert at a time
+    base = ExpertWeights(*(None if t is None or is_quantized(t) else t.detach() for t in tensors), spec=spec)
+    backend, _ = select_backend("torch", base.gate_up.dtype, spec, base.quantized)
     runner = ExpertRunner(backend, base, 0.0, chunk_size=8192, threads=None)
     e, h, i = base.num_experts, base.hidden, base.intermediate
     shapes = ((e, 1, h), (e, i, 1), (e, 1, h), (e, i, 1), (e, 1, i), (e, h, 1))

@@ -114,3 +114,8 @@ class QuantizedExperts:
 
 def is_quantized(t) -> bool:
     return isinstance(t, QuantizedExperts)
+
+
+def stored_nbytes(t) -> int:
+    """Bytes a base weight holds: a tensor's, or a ``QuantizedExperts``' stored tensors'."""
+    return t.nbytes() if is_quantized(t) else t.numel() * t.element_size()
