@@ -206,6 +206,42 @@ def test_mismatched_scale_shape_names_the_tensor_and_file(tiny_ckpts, tmp_path):
     assert key in msg and str(bad / "model.safetensors") in msg and "[2, 2]" in msg and "[1, 1]" in msg, msg
 
 
+def test_int4_scale_and_shape_dtypes_of_other_writers_are_read(tiny_ckpts, tmp_path):
+    """compressed-tensors writes the scale in the model's dtype (fp16 here) and the shape as int64
+    (kt-ft: bf16, int64; int32 shapes are read too): such files load to the same values; experts
+    whose scales differ in dtype (they are stacked) are refused naming the tensor and file."""
+    from kt_ft.quant.loading import fill_quantized_experts, find_quantized_sources
+    from kt_ft.rules.skeleton import meta_model
+
+    other = tmp_path / "other"
+    other.mkdir()
+    with safe_open(tiny_ckpts / "int4" / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for k in tensors:
+        if k.endswith(".weight_scale"):
+            tensors[k] = tensors[k].to(torch.float16)
+        elif k.endswith(".weight_shape"):
+            tensors[k] = tensors[k].to(torch.int32)
+    save_file(tensors, other / "model.safetensors")
+    config = tiny_model("deepseek_v3").config
+    names = ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    model = meta_model(config, torch.float32)
+    fill_quantized_experts(
+        model, find_quantized_sources(other, model, names, FORMATS["int4"]), FORMATS["int4"]
+    )
+    qe = model.model.layers[2].mlp.experts.down_proj
+    assert qe.parts[0]["weight_scale"].dtype == torch.float16
+    key = "model.layers.2.mlp.experts.5.down_proj"
+    want = R.dequantize(
+        "int4", {n: tensors[f"{key}.{n}"] for n in ("weight_packed", "weight_scale", "weight_shape")}
+    )
+    assert torch.equal(qe[5], want)
+    tensors[f"{key}.weight_scale"] = tensors[f"{key}.weight_scale"].to(torch.float32)
+    save_file(tensors, other / "model.safetensors")
+    with pytest.raises(KTConfigError, match=rf"{key}.weight_scale is F32 .*\(as the first expert's F16\)"):
+        find_quantized_sources(other, meta_model(config, torch.float32), names, FORMATS["int4"])
+
+
 # --- loading and compute ----------------------------------------------------------------------
 
 
@@ -477,7 +513,7 @@ def test_rules_plan_counts_fp8_experts_as_stored(tmp_path, capsys):
 def test_rules_plan_counts_int4_experts_as_stored(tmp_path, capsys):
     """Kimi K2's shapes (as a deepseek_v3 config: 61 layers, 384 experts of H 7168, I 2048) with
     its routed experts INT4 (compressed-tensors pack-quantized, group 32): each weight 0.5 byte
-    packed + a bf16 scale per 32 + its int32 shape pair: 571 GB of weights in RAM (the CPU's total,
+    packed + a bf16 scale per 32 + its int64 shape pair: 571 GB of weights in RAM (the CPU's total,
     684 GB, adds 81 GB of fp32 AdamW state of the rank-8 expert LoRA and the activations)."""
     k2 = {**DEEPSEEK_V3, "n_routed_experts": 384, "first_k_dense_replace": 1, "num_attention_heads": 64}
     k2["vocab_size"], k2["n_group"], k2["topk_group"] = 163840, 1, 1
@@ -485,7 +521,7 @@ def test_rules_plan_counts_int4_experts_as_stored(tmp_path, capsys):
     int4 = _plan(tmp_path, k2, capsys)
     assert int4["expert_format"] == "int4"
     layers, e, h, i = 61 - 1, 384, 7168, 2048
-    per_weight = h * i // 2 + h * i // 32 * 2 + 8  # packed + scales + shape, each of 3 per expert
+    per_weight = h * i // 2 + h * i // 32 * 2 + 16  # packed + scales + shape, each of 3 per expert
     experts = layers * e * 3 * per_weight
     non_expert_cpu = int4["devices"]["cpu"]["param_bytes"] - experts
     assert 0 <= non_expert_cpu < 1e6, non_expert_cpu  # everything else on the GPU

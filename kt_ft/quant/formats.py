@@ -10,7 +10,7 @@ distributed in, so kt-ft reads those checkpoints as they are:
 * ``int4`` (compressed-tensors ``pack-quantized``, Kimi K2 Thinking's routed experts):
   symmetric, groups of 32 along ``in``: ``weight_packed`` int32 [out, ceil(in/8)] (eight
   4-bit codes per word, code j of a word in bits 4j..4j+3, code = q + 8 with q in [-8, 7]),
-  ``weight_scale`` bf16 [out, ceil(in/32)], ``weight_shape`` int32 [2] = (out, in); W = q * s.
+  ``weight_scale`` bf16 [out, ceil(in/32)], ``weight_shape`` int64 [2] = (out, in); W = q * s.
 * ``int8`` (compressed-tensors ``int-quantized``, channel strategy): ``weight`` int8 [out, in]
   and ``weight_scale`` float32 [out, 1], symmetric; W = q * s per output row.
 
@@ -56,11 +56,19 @@ INT4_GROUP = 32
 
 @dataclass(frozen=True)
 class Stored:
-    """One stored tensor of a quantized weight: its name suffix, shape and dtype."""
+    """One stored tensor of a quantized weight: its name suffix, shape and dtype (the one kt-ft
+    writes; ``also``: other dtypes files of that layout use, read as well)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    also: tuple[torch.dtype, ...] = ()
+
+    def accepts(self, dtype: torch.dtype | None) -> bool:
+        return dtype == self.dtype or dtype in self.also
+
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class QuantFormat:
@@ -165,8 +173,9 @@ class Int4Packed(QuantFormat):
     def stored(self, out, inp):
         return (
             Stored("weight_packed", (out, -(-inp // 8)), torch.int32),
-            Stored("weight_scale", (out, -(-inp // INT4_GROUP)), torch.bfloat16),
-            Stored("weight_shape", (2,), torch.int32),
+            # compressed-tensors writes the scale in the model's dtype and the shape as int64
+            Stored("weight_scale", (out, -(-inp // INT4_GROUP)), torch.bfloat16, _FLOATS),
+            Stored("weight_shape", (2,), torch.int64, (torch.int32,)),
         )
 
     def quantize(self, w):
@@ -181,7 +190,7 @@ class Int4Packed(QuantFormat):
         return {
             "weight_packed": pack_int4(q.view(out, groups * g)[:, :inp]),
             "weight_scale": scale.contiguous(),
-            "weight_shape": torch.tensor([out, inp], dtype=torch.int32),
+            "weight_shape": torch.tensor([out, inp], dtype=torch.int64),
         }
 
     def dequantize(self, parts, dtype):
@@ -228,7 +237,10 @@ class Int8Channel(QuantFormat):
     description = "int8 symmetric, float32 scale per output channel (compressed-tensors int-quantized)"
 
     def stored(self, out, inp):
-        return (Stored("weight", (out, inp), torch.int8), Stored("weight_scale", (out, 1), torch.float32))
+        return (
+            Stored("weight", (out, inp), torch.int8),
+            Stored("weight_scale", (out, 1), torch.float32, _FLOATS),
+        )
 
     def quantize(self, w):
         wf = w.float()
@@ -277,4 +289,5 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "I8": torch.int8,
     "I32": torch.int32,
+    "I64": torch.int64,
 }

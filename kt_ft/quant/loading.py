@@ -33,7 +33,7 @@ from ..log import fmt_bytes, get_logger
 from ..moe.expert_files import TensorLoc, _prefixes, read_index
 from ..moe.expert_reading import _bytes_of, _drop_cache, _read_into
 from ..moe.shared_weights import meta_device_map
-from .formats import ST_DTYPES, QuantFormat
+from .formats import ST_DTYPES, QuantFormat, Stored
 from .weights import QuantizedExperts
 
 logger = get_logger(__name__)
@@ -60,13 +60,23 @@ class QuantParamSource:
 
 
 def _check(
-    loc: TensorLoc | None, key: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: QuantFormat, where: str
+    loc: TensorLoc | None, key: str, st: Stored, fmt: QuantFormat, where: str, like: TensorLoc | None = None
 ):
+    """Why ``loc`` (tensor ``key``) is not the stored tensor ``st`` (None: it is). ``like``: the same
+    tensor of expert 0, whose dtype every expert must share (they are stacked)."""
     if loc is None:
         return f"{where}: no tensor {key} (format {fmt.name} stores {[s.name for s in fmt.stored(1, 1)]})"
     got = ST_DTYPES.get(loc.dtype_name)
-    if tuple(loc.shape) != shape or got != dtype:
-        return f"{loc.file}: {key} is {loc.dtype_name} {list(loc.shape)}; format {fmt.name} wants {dtype} {list(shape)}"
+    if (
+        tuple(loc.shape) != st.shape
+        or not st.accepts(got)
+        or (like is not None and like.dtype_name != loc.dtype_name)
+    ):
+        want = " or ".join(dict.fromkeys(str(d).removeprefix("torch.") for d in (st.dtype, *st.also)))
+        return (
+            f"{loc.file}: {key} is {loc.dtype_name} {list(loc.shape)}; format {fmt.name} wants {want} {list(st.shape)}"
+            + (f" (as the first expert's {like.dtype_name})" if like is not None else "")
+        )
     return None
 
 
@@ -76,7 +86,7 @@ def _part(index, prefix: str, part: str, rows: int, cols: int, num: int, fmt: Qu
         locs = []
         for e in range(num):
             key = f"{prefix}.{e}.{part}.{st.name}"
-            problem = _check(index.get(key), key, st.shape, st.dtype, fmt, where)
+            problem = _check(index.get(key), key, st, fmt, where, locs[0] if locs else None)
             if problem:
                 return None, problem
             locs.append(index[key])
@@ -236,7 +246,7 @@ def dequantize_other_weights(model: nn.Module, model_dir: str | Path, fmt: Quant
             parts = {}
             for st in fmt.stored(out, inp):
                 key = f"{prefix}.{st.name}"
-                problem = _check(index.get(key), key, st.shape, st.dtype, fmt, str(model_dir))
+                problem = _check(index.get(key), key, st, fmt, str(model_dir))
                 if problem:
                     raise KTConfigError(problem)
                 parts[st.name] = read_stored(index[key])
