@@ -570,3 +570,28 @@ def test_take_quantization_config_strips_only_what_it_reads():
     with pytest.raises(KTConfigError):
         take_quantization_config(cfg)
     assert cfg.quantization_config == {"quant_method": "gptq"}  # untouched when refused
+
+
+def test_experts_interface_dispatch_reads_quantized_experts(tiny_ckpts, tmp_path):
+    """``experts_implementation='kt_ft'`` (what ``kt-ft models`` checks a type with) on experts kept
+    fp8: logits equal transformers' eager run of the checkpoint dequantized to fp32 (fp32, 1e-5 of
+    the largest logit: another summation order)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kt_ft.models.dispatch import use_kt_ft_experts
+    from kt_ft.moe.loading import load_planned, planned_device_map
+    from kt_ft.rules import load_rules, resolve_rule_path
+
+    dequantize_checkpoint(tiny_ckpts / "fp8", tmp_path / "d", "fp32")
+    config = AutoConfig.from_pretrained(tiny_ckpts / "fp8")
+    take_quantization_config(config)
+    dm, plan = planned_device_map(
+        config, load_rules(resolve_rule_path("deepseek_v3")), FAMILIES["deepseek_v3"], "torch", 1, "cpu"
+    )
+    model = load_planned(tiny_ckpts / "fp8", dm, plan, dtype=torch.float32)
+    use_kt_ft_experts(model)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "d", dtype=torch.float32)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(SEED))
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
