@@ -109,13 +109,15 @@ def _rule_and_model(
         return rules, None, None, None
     from .hparams import default_cpu_infer  # why: lazy CLI
     from .models import family_of  # why: lazy CLI
+    from .quant.detect import config_source, detect_format  # why: lazy CLI
     from .rules import make_plan  # why: lazy CLI
     from .rules.skeleton import checkpoint_dtype, load_config, meta_model  # why: lazy CLI
 
     config = load_config(model_dir)
     family = family_of(config)
+    detect_format(config, config_source(model_dir))  # a method kt-ft does not read: refused here
     dtype, _ = checkpoint_dtype(model_dir, config)
-    if dtype.itemsize == 1:  # FP8 hub checkpoints: the CPU op trains on a BF16 copy
+    if dtype.itemsize == 1:  # FP8 checkpoints: the rest is dequantized to bf16, the experts stay fp8
         import torch
 
         dtype = torch.bfloat16
@@ -149,7 +151,10 @@ def _rules_plan(args: argparse.Namespace) -> int:
     section = None
     if auto_layers(plan) or overrides or args.remeasure:
         section = _placement(model, plan, dtype, sizes, overrides, args.gpu_mem, args.remeasure)
-    report = estimate(model, plan, dtype, sizes)  # after placement: auto wrote its split into the plan
+    from .quant.detect import detect_format  # why: lazy CLI
+
+    # after placement: auto wrote its split into the plan; quantized experts count as stored
+    report = estimate(model, plan, dtype, sizes, expert_format=detect_format(model.config))
     check_budgets(report, args.gpu_mem, args.cpu_mem)
     if section is not None:
         report["placement"] = section
@@ -306,6 +311,25 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from .export.quantize import quantize_checkpoint  # why: lazy CLI
+
+    c = quantize_checkpoint(args.model, args.out, args.format)
+    print(
+        f"wrote {args.out}: {c.get('quantized', 0)} weights in {args.format}, {c.get('kept', 0)} tensors kept, "
+        f"{c['bytes_in'] / 2**20:.1f} MiB -> {c['bytes_out'] / 2**20:.1f} MiB"
+    )
+    return 0
+
+
+def _dequantize(args: argparse.Namespace) -> int:
+    from .export.quantize import dequantize_checkpoint  # why: lazy CLI
+
+    c = dequantize_checkpoint(args.model, args.out, args.dtype)
+    print(f"wrote {args.out}: {c.get('dequantized', 0)} weights dequantized to {args.dtype}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__  # why: lazy CLI
 
@@ -440,6 +464,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--base", default=None, help="local base model dir (default: the manifest's base_model.name_or_path)"
     )
     merge.set_defaults(func=_merge)
+
+    quant = sub.add_parser(
+        "quantize",
+        help="write a bf16 checkpoint with quantized weights (fp8 blocks, int4 groups, int8 channels)",
+    )
+    quant.add_argument("model", help="local model dir (bf16/fp16/fp32 safetensors)")
+    quant.add_argument(
+        "out", help="output directory (must not exist; written to a temporary dir, then renamed)"
+    )
+    quant.add_argument(
+        "--format",
+        required=True,
+        choices=["int8", "fp8", "int4"],
+        help="fp8: every projection, 128x128-block scales (DeepSeek-V3's layout); int4: routed experts, "
+        "group 32 (compressed-tensors pack-quantized, Kimi K2's); int8: routed experts, per channel",
+    )
+    quant.set_defaults(func=_quantize)
+    dequant = sub.add_parser("dequantize", help="write a quantized checkpoint (fp8, int4, int8) back in bf16")
+    dequant.add_argument("model", help="local quantized model dir")
+    dequant.add_argument("out", help="output directory (must not exist)")
+    dequant.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="output dtype")
+    dequant.set_defaults(func=_dequantize)
 
     rules = sub.add_parser("rules", help="optimize rules").add_subparsers(dest="rules_command", required=True)
     rl = rules.add_parser("list", help="list built-in rules")

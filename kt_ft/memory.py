@@ -20,6 +20,7 @@ from pathlib import Path
 from .checkpoint.fused import kt_expert_modules
 from .moe.shared_weights import FILE_PREFIX
 from .processes import barrier
+from .quant.weights import stored_nbytes
 from .settings import get
 
 REPORT_ENV = "KT_FT_MEMORY_REPORT"
@@ -84,7 +85,7 @@ def memory_report(model) -> Path | None:
     if not directory:
         return None
     expert_bytes = sum(
-        p.numel() * p.element_size() for m in kt_expert_modules(model) for p in (m.gate_up_proj, m.down_proj)
+        stored_nbytes(p) for m in kt_expert_modules(model) for p in (m.gate_up_proj, m.down_proj)
     )
     barrier()  # every rank is alive and has touched its experts
     record = memory_record(expert_bytes)

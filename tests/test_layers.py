@@ -4,7 +4,8 @@ import cycle: every module imports on its own, in a fresh interpreter.
 Layers, lowest first (a module belongs to the layer of its longest matching prefix):
 
 - base: errors, log, settings, the start-up hook, the recipe keys (``hparams``), process topology;
-- op: the CPU expert op (``kernels``) and the expert-LoRA layout (``lora``): tensor code only;
+- op: the CPU expert op (``kernels``), the expert-LoRA layout (``lora``) and the quantized weight
+  formats (``quant``): tensor code only;
 - models: per-family facts (which modules are the experts, their layout as an ExpertSpec);
 - planning: rules, plan, ``rules plan``'s estimate, cost model, planner, ``placement: auto``;
 - runtime: the experts module (``moe``), rate measurement and re-planning, checkpoints, DDP/FSDP,
@@ -37,7 +38,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "kt_ft.hparams",
         "kt_ft.processes",
     ),
-    "op": ("kt_ft.kernels", "kt_ft.lora"),
+    "op": ("kt_ft.kernels", "kt_ft.lora", "kt_ft.quant"),  # quant.loading reads files: runtime (below)
     "models": ("kt_ft.models",),  # derived, dispatch and probe sit higher (below)
     "planning": (
         "kt_ft.rules",
@@ -50,6 +51,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "runtime": (
         "kt_ft.moe",
+        "kt_ft.quant.loading",  # quantized experts read from the files (moe's readers)
         "kt_ft.placement.measure",
         "kt_ft.placement.runtime",
         "kt_ft.placement.non_expert",

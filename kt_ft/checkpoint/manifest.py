@@ -7,7 +7,8 @@ checks it first and refuses, naming the file and the mismatch, anything that doe
     {"format": "kt-ft-adapter", "format_version": 1, "kt_ft_version": "0.1.0",
      "base_model": {"name_or_path": ..., "config_sha256": <sha256 of its config.json>},
      "lora": {"rank": r, "alpha": a, "use_rslora": false},
-     "experts": {"layers": [L, ...], "num_experts": E, "targets": [...], "backend": ..., "rule": ...},
+     "experts": {"layers": [L, ...], "num_experts": E, "targets": [...], "backend": ..., "rule": ...,
+                 "base_format": "bf16" | "fp8" | "int4" | "int8" | ...},
      "files": {"adapter_model.safetensors": {"size": bytes, "sha256": hex}, ...},
      "fused_tensors": {"layers.0.experts.gate_lora_a": {"shape": [E, r, H], "dtype": "BF16"}, ...}}
 """
@@ -51,6 +52,9 @@ class KTAdapterInfo:
     backend: str = ""
     rule: str = ""
     kt_ft_version: str = ""
+    # how the frozen routed experts were stored in RAM while training: a dtype (bf16, fp32, ...) or a
+    # quantized format of kt_ft.quant (fp8, int4, int8); "" in manifests written before it existed
+    base_format: str = ""
 
     def config_block(self) -> dict:
         """The ``kt_ft`` key kt-ft adds to PEFT's adapter_config.json (PEFT ignores unknown keys)."""
@@ -108,6 +112,7 @@ def write_manifest(directory: str | os.PathLike, info: KTAdapterInfo, with_train
             "targets": info.targets,
             "backend": info.backend,
             "rule": info.rule,
+            "base_format": info.base_format,
         },
         "files": {n: _file_entry(directory / n) for n in names},
         "fused_tensors": fused_header(directory / FUSED_FILE),
@@ -222,6 +227,7 @@ def info_from_manifest(manifest: dict) -> KTAdapterInfo:
         backend=e["backend"],
         rule=e["rule"],
         kt_ft_version=manifest.get("kt_ft_version", ""),
+        base_format=e.get("base_format", ""),
     )
 
 

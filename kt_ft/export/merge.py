@@ -10,7 +10,10 @@ gpt_oss (the base's config.json says the family) fused in its own layout: ``{T}.
 [E, H, 2I] with gate/up interleaved (columns 0::2 gate, 1::2 up) and ``{T}.down_proj``
 [E, I, H], so the deltas are transposed and interleaved to match; its biases have no LoRA and
 are copied. An MXFP4-quantized gpt_oss base (``gate_up_proj_blocks`` / ``_scales``, as the hub
-checkpoints ship) is refused: merge folds into bf16/fp32 weights.
+checkpoints ship) is refused: merge folds into bf16/fp32 weights. So is a base kt-ft read
+quantized (fp8 / int4 / int8, ``kt_ft.quant``): folding W + s*B@A and re-quantizing would round
+most of the update away; ``kt-ft dequantize`` it first (its output is accepted as the base of an
+adapter trained on the quantized checkpoint), or keep the adapter separate for serving.
 """
 
 from __future__ import annotations
@@ -29,7 +32,10 @@ from tqdm import tqdm
 from ..checkpoint.atomic import atomic_path, sha256_file
 from ..errors import KTConfigError
 from ..models import FAMILIES
+from ..quant.detect import detect_format
+from ..quant.formats import FORMATS
 from .adapter import PEFT_PREFIX, PROJ, KTAdapter, read_kt_adapter
+from .quantize import DEQUANTIZED_FROM
 
 Delta = Callable[[], torch.Tensor]  # computed lazily, when its shard is written
 
@@ -115,6 +121,22 @@ def _shards(base: Path) -> list[str]:
     )
 
 
+def _refuse_quantized(base: Path, config: Path, adapter: KTAdapter, src) -> None:
+    """A quantized base (its config, or the manifest's ``experts.base_format``) cannot take the merge."""
+    fmt = detect_format(json.loads(config.read_text()), config)
+    stored = adapter.info.base_format
+    if fmt is None and not (stored in FORMATS and sha256_file(config) == adapter.info.base_config_sha256):
+        return
+    name = fmt.name if fmt is not None else stored
+    raise KTConfigError(
+        f"{config}: the base model is stored {name}-quantized ({FORMATS[name].description}); merge folds "
+        "W + s*B@A into bf16/fp32 weights, and re-quantizing the result would round most of the LoRA update away. "
+        f"Either `kt-ft dequantize {base} BASE_BF16` and `kt-ft merge {src} OUT --base BASE_BF16`, or keep the "
+        f"adapter separate for serving (`kt-ft convert {src} OUT`: per-expert PEFT keys SGLang/vLLM apply "
+        "on the quantized base)"
+    )
+
+
 def merge_adapter(
     src: str | os.PathLike, out: str | os.PathLike, base: str | os.PathLike | None = None
 ) -> Path:
@@ -123,7 +145,9 @@ def merge_adapter(
     config = base / "config.json"
     if not config.is_file():
         raise KTConfigError(f"{config}: missing; pass --base with the local base model directory")
-    if sha256_file(config) != adapter.info.base_config_sha256:
+    _refuse_quantized(base, config, adapter, src)
+    dequantized_from = json.loads(config.read_text()).get(DEQUANTIZED_FROM, {}).get("config_sha256")
+    if adapter.info.base_config_sha256 not in (sha256_file(config), dequantized_from):
         raise KTConfigError(
             f"{config}: sha256 differs from base_model.config_sha256 in {adapter.path}/kt_adapter_manifest.json: "
             "the adapter was trained on another base model"

@@ -34,14 +34,30 @@ BACKENDS: dict[str, type[ExpertBackend]] = {
 # passed over: ``auto_skip_reason``). native before torch: on CPUs without native bf16, torch's
 # bf16 GEMMs are ~1 GFLOP/s (docs/benchmarks.md, the op section).
 AUTO_ORDER = ("kt-kernel", "native", "torch")
+# backends that compute quantized experts (``kt_ft.quant``): they read the base one expert at a time
+# (``gate_up[e]``), which dequantizes that expert; native and kt-kernel read bf16 weights in place
+QUANTIZED_BACKENDS = ("torch", "reference")
 
 
 def select_backend(
-    name: str, dtype: torch.dtype | None = None, spec: ExpertSpec | None = None
+    name: str, dtype: torch.dtype | None = None, spec: ExpertSpec | None = None, quantized: str | None = None
 ) -> tuple[ExpertBackend, str]:
     """Return (backend instance, why it was chosen). ``name`` is a key of BACKENDS or ``auto``;
     ``dtype`` is the expert weights' dtype (some backends run bf16 only); ``spec`` the experts'
-    layout and activation (None: the default silu layout; some backends compute only that)."""
+    layout and activation (None: the default silu layout; some backends compute only that);
+    ``quantized``: the experts' storage format when kept quantized (only QUANTIZED_BACKENDS)."""
+    if quantized is not None:
+        if name == "auto":
+            return GroupedTorchBackend(), (
+                f"auto: torch, the fastest backend that computes {quantized} experts (it dequantizes one expert "
+                "at a time inside its products)"
+            )
+        if name not in QUANTIZED_BACKENDS:
+            raise KTConfigError(
+                f"kt_backend={name!r} cannot compute {quantized} routed experts kept quantized (it reads bf16 "
+                f"weights); valid choices for them: auto, {', '.join(QUANTIZED_BACKENDS)} (or `kt-ft dequantize` "
+                "the checkpoint to bf16)"
+            )
     special = spec is not None and not spec.is_default
     if name == "auto":
         skipped = []

@@ -128,6 +128,13 @@ class ExpertWeights:
         return self.down.shape[2] if self.spec.transposed else self.down.shape[1]
 
     @property
+    def quantized(self) -> str | None:
+        """The storage format name when the weights are kept quantized (``kt_ft.quant``), else None.
+        ``gate_up[e]`` / ``down[e]`` then dequantize expert e alone (no other indexing)."""
+        fmt = getattr(self.gate_up, "fmt", None)
+        return None if fmt is None else fmt.name
+
+    @property
     def is_plain(self) -> bool:
         """The default layout with no biases: what every backend computes."""
         return self.spec.is_default and self.gate_up_bias is None and self.down_bias is None

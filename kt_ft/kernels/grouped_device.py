@@ -117,6 +117,26 @@ def _t(w: torch.Tensor) -> torch.Tensor:
     return w.transpose(1, 2)
 
 
+def base_mm(a: torch.Tensor, w, groups: Groups, transpose: bool) -> torch.Tensor:
+    """Rows of expert e of ``a`` [N, K] times the frozen base weight of e: ``w[e]^T`` (``transpose``,
+    w [G, M, K]: the forward products) or ``w[e]`` (w [G, K, M]: the backward ones) -> [N, M].
+
+    Dense weights: one grouped product (``grouped_mm``). Weights kept quantized
+    (``kt_ft.quant.QuantizedExperts``, on the device in their stored form): one expert at a time,
+    each dequantized on the device right before its product and dropped after it, so a layer's
+    experts are never dense there all at once."""
+    if getattr(w, "fmt", None) is None:
+        return grouped_mm(a, _t(w) if transpose else w, groups)
+    out = a.new_empty(a.shape[0], w.shape[1] if transpose else w.shape[2])
+    off = 0
+    for e, c in enumerate(groups.counts):
+        if c:
+            we = w[e]  # [M, K] in the compute dtype
+            out[off : off + c] = a[off : off + c] @ (we.t() if transpose else we)
+        off += c
+    return out
+
+
 def grouped_expert_forward(
     x: torch.Tensor, base: ExpertWeights, lora: LoraTensors, scaling: float, groups: Groups
 ) -> torch.Tensor:
@@ -132,7 +152,7 @@ def grouped_expert_forward(
     inter = base.intermediate
     rank = lora.gate_a.shape[1]
     gs, us = spec.gate_up_cols(inter)
-    gu = grouped_mm(x, base.gate_up if spec.transposed else _t(base.gate_up), groups)  # [N, 2I]
+    gu = grouped_mm(x, base.gate_up, groups) if spec.transposed else base_mm(x, base.gate_up, groups, True)
     if base.gate_up_bias is not None:
         gu = gu + base.gate_up_bias.index_select(0, groups.row_expert)
     # gate and up LoRA A as one product: [Ag; Au] [G, 2r, H]
@@ -142,7 +162,7 @@ def grouped_expert_forward(
     g = gu[:, gs] + scaling * lo_g
     u = gu[:, us] + scaling * lo_u
     h = gated_act(g, u, spec).contiguous()  # [N, I]
-    d = grouped_mm(h, base.down if spec.transposed else _t(base.down), groups)  # [N, H]
+    d = grouped_mm(h, base.down, groups) if spec.transposed else base_mm(h, base.down, groups, True)  # [N, H]
     d = d + scaling * grouped_mm(grouped_mm(h, _t(lora.down_a), groups), _t(lora.down_b), groups)
     if base.down_bias is not None:
         d = d + base.down_bias.index_select(0, groups.row_expert)
@@ -194,9 +214,13 @@ class FusedGroupedExperts(torch.autograd.Function):
         # [G, 2r, H] ([Ag; Au]), [G, 2I, 2r] (Bg, Bu in the gate / up rows, zeros elsewhere), Ad, Bd; dt
         a_gu, b_gu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)
         xs = x.to(dt).index_select(0, tok)  # [N, H]
-        wgu = base.gate_up if spec.transposed else _t(base.gate_up)  # [G, H, 2I] view
-        wd = base.down if spec.transposed else _t(base.down)  # [G, I, H] view
-        gu = grouped_mm(xs, wgu, groups)  # [N, 2I]
+        quant = getattr(base.gate_up, "fmt", None) is not None  # kept quantized: spec is the default
+        # [N, 2I]: through the [G, H, 2I] view of the weights (one grouped product when dense)
+        gu = (
+            grouped_mm(xs, base.gate_up, groups)
+            if spec.transposed
+            else base_mm(xs, base.gate_up, groups, True)
+        )
         if base.gate_up_bias is not None:
             gu += base.gate_up_bias.index_select(0, groups.row_expert)
         pa = grouped_mm(xs, _t(a_gu), groups)  # [N, 2r]: [x Ag^T | x Au^T]
@@ -207,16 +231,17 @@ class FusedGroupedExperts(torch.autograd.Function):
         g, u = gu[:, gs], gu[:, us]
         h = gated_act(g, u, spec).contiguous()  # [N, I]
         pd = grouped_mm(h, _t(ad), groups)  # [N, r]
-        d = grouped_mm(h, wd, groups)  # [N, H]
+        d = grouped_mm(h, base.down, groups) if spec.transposed else base_mm(h, base.down, groups, True)
         d += scaling * grouped_mm(pd, _t(bd), groups)
         if base.down_bias is not None:
             d += base.down_bias.index_select(0, groups.row_expert)
         ws = w.reshape(-1).index_select(0, pairs).to(acc)  # [N]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
         out.index_add_(0, tok, d.to(acc) * ws[:, None])
-        ctx.save_for_backward(
-            xs, gu, pa, h, pd, d, ws, tok, pairs, base.gate_up, base.down, a_gu, b_gu, ad, bd
-        )
+        # quantized weights are no tensors autograd can save: kept on ctx (frozen, never modified)
+        ctx.quant_base = (base.gate_up, base.down) if quant else None
+        w_saved = (None, None) if quant else (base.gate_up, base.down)
+        ctx.save_for_backward(xs, gu, pa, h, pd, d, ws, tok, pairs, *w_saved, a_gu, b_gu, ad, bd)
         ctx.meta = (
             spec,
             inter,
@@ -233,6 +258,8 @@ class FusedGroupedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         xs, gu, pa, h, pd, d, ws, tok, pairs, w_gu, w_d, a_gu, b_gu, ad, bd = ctx.saved_tensors
+        if ctx.quant_base is not None:
+            w_gu, w_d = ctx.quant_base
         # the spec and sizes only: the weights the backward reads come through saved_tensors
         # (where streamed ones are re-fetched: ``moe/streamed.py``'s saved-tensor hooks)
         spec, inter, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes = ctx.meta
@@ -246,8 +273,12 @@ class FusedGroupedExperts(torch.autograd.Function):
             grad_w = grad_w.index_copy_(0, pairs, grad_ws).view(w_shape).to(w_dtype)
         gd = (gos * ws[:, None]).to(dt)  # dL/dd [N, H]
         # down: d = h Wd^T + s (h Ad^T) Bd^T
-        wd_b = w_d.transpose(1, 2) if spec.transposed else w_d  # [G, H, I]: dh = gd @ Wd
-        dh = grouped_mm(gd, wd_b, groups)  # [N, I]
+        # dh = gd @ Wd [G, H, I]
+        dh = (
+            grouped_mm(gd, w_d.transpose(1, 2), groups)
+            if spec.transposed
+            else base_mm(gd, w_d, groups, False)
+        )
         t = grouped_mm(gd, bd, groups)  # [N, r]: gd @ Bd
         grad_db = grouped_mm_k(gd.t(), pd, groups).mul_(s)  # [G, H, r]
         ts = t * s
@@ -264,8 +295,13 @@ class FusedGroupedExperts(torch.autograd.Function):
         grad_agu = grouped_mm_k(dpa.t(), xs, groups)  # [G, 2r, H]
         grad_x = None
         if ctx.needs_input_grad[0]:
-            wgu_b = w_gu.transpose(1, 2) if spec.transposed else w_gu  # [G, 2I, H]: dxs = dgu @ Wgu
-            dxs = grouped_mm(dgu, wgu_b, groups) + grouped_mm(dpa, a_gu, groups)
+            # dxs = dgu @ Wgu [G, 2I, H]
+            wgu_x = (
+                grouped_mm(dgu, w_gu.transpose(1, 2), groups)
+                if spec.transposed
+                else base_mm(dgu, w_gu, groups, False)
+            )
+            dxs = wgu_x + grouped_mm(dpa, a_gu, groups)
             grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)
             grad_x = grad_x.index_add_(0, tok, dxs.to(grad_out.dtype)).to(x_dtype)
         lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)

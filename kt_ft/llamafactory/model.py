@@ -28,6 +28,7 @@ from ..models import family_of
 from ..moe.loading import plan_expert_reader, planned_device_map
 from ..moe.shared_weights import meta_device_map, share_expert_weights, sharing_enabled
 from ..processes import threads_per_rank, topology
+from ..quant.detect import config_source, take_quantization_config
 from ..rules import load_rules
 from ..rules.report import TrainSizes, check_gpu_cap
 from ..rules.skeleton import meta_model
@@ -48,6 +49,15 @@ def _rss_bytes() -> float:
     except OSError:
         pass
     return float("nan")
+
+
+def take_quantization(config: Any, model_args: Any) -> None:
+    """A quantized checkpoint's format, noted for ``plan_loading``; its ``quantization_config`` is
+    removed from ``config`` (kt-ft reads the quantized tensors itself: ``kt_ft.quant.loading``).
+    A method kt-ft does not read raises here, before any weight is read."""
+    name = str(model_args.model_name_or_path)
+    source = config_source(name) if Path(name).is_dir() else f"config.json of {name}"
+    model_args._kt_ft_quant = take_quantization_config(config, source)
 
 
 def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
@@ -73,7 +83,16 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
         init_kwargs["device_map"] = meta_device_map(device_map, expert_names)
         logger.info(f"local rank {topo.local_rank}: routed experts not read here (shared from local rank 0)")
         return
-    reader = plan_expert_reader(model_args.model_name_or_path, config, expert_names) if single else None
+    quant = getattr(model_args, "_kt_ft_quant", None)
+    if quant is not None and (not single or sharing):
+        raise KTConfigError(
+            f"{model_args.model_name_or_path}: {quant.name} routed experts are read by one process per machine "
+            "with a single training device only in this version"
+            + ("; set KT_FT_SHARE_EXPERTS=0 (each rank reads its own quantized copy)" if sharing else "")
+        )
+    reader = (
+        plan_expert_reader(model_args.model_name_or_path, config, expert_names, quant) if single else None
+    )
     if reader is not None:
         # transformers loads the rest; kt-ft reads the experts right after (fill_read_experts)
         init_kwargs["device_map"] = reader.device_map(device_map)
@@ -189,6 +208,7 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
         backend=summary.backend,
         rule=str(rule_path),
         kt_ft_version=__version__,
+        base_format=summary.base_format,
     )
     model._kt_ft_info = info
 

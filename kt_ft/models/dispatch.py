@@ -24,8 +24,10 @@ import torch
 
 from ..errors import KTConfigError
 from ..kernels import LoraTensors, select_backend
-from ..kernels.base import ExpertWeights
+from ..kernels.base import DEFAULT_SPEC, ExpertWeights
 from ..moe.function import CPUExpertsFunction, ExpertRunner
+from ..quant.weights import is_quantized
+from . import _fused_silu_problems
 from .interface import derive_spec
 
 IMPLEMENTATION = "kt_ft"
@@ -58,7 +60,14 @@ def _runner(module: torch.nn.Module):
     cached = getattr(module, "_kt_ft_runner", None)
     if cached is not None:
         return cached
-    spec, problems = derive_spec(module)
+    if is_quantized(getattr(module, "gate_up_proj", None)):
+        # kt-ft's quantized reader took them: it reads only the [E, 2I, H] / [E, H, I] layout
+        # (``quant/loading.py``), and they are no parameters for ``derive_spec`` to read
+        # (the family check of ``models``: shapes, no biases, silu activation, transformers' gate)
+        problems = _fused_silu_problems(module)
+        spec = None if problems else DEFAULT_SPEC
+    else:
+        spec, problems = derive_spec(module)
     if spec is None:
         raise KTConfigError(
             [f"experts_implementation='kt_ft' on {type(module).__name__}: {p}" for p in problems]
@@ -70,8 +79,9 @@ def _runner(module: torch.nn.Module):
             f"experts_implementation='kt_ft' on {type(module).__name__}: its weights are on "
             f"{tensors[0].device}; kt-ft's CPU op reads them in CPU memory (valid: cpu)"
         )
-    base = ExpertWeights(*(None if t is None else t.detach() for t in tensors), spec=spec)
-    backend, _ = select_backend("torch", base.gate_up.dtype, spec)
+    # weights kept quantized (``kt_ft.quant``) are read as they are, one expert at a time
+    base = ExpertWeights(*(t if t is None or is_quantized(t) else t.detach() for t in tensors), spec=spec)
+    backend, _ = select_backend("torch", base.gate_up.dtype, spec, base.quantized)
     runner = ExpertRunner(backend, base, 0.0, chunk_size=8192, threads=None)
     e, h, i = base.num_experts, base.hidden, base.intermediate
     shapes = ((e, 1, h), (e, i, 1), (e, 1, h), (e, i, 1), (e, 1, i), (e, h, 1))

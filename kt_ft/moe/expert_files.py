@@ -47,6 +47,7 @@ class TensorLoc:
     shape: tuple[int, ...]
     offset: int  # absolute byte offset in the file
     nbytes: int
+    dtype_name: str = ""  # the header's own name (F8_E4M3, I32, ...): dtype is None for those
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,15 @@ def read_index(model_dir: str | Path) -> tuple[dict[str, TensorLoc], str | None]
                 continue
             start, end = t["data_offsets"]
             dtype = _DTYPES.get(t["dtype"])
-            index[key] = TensorLoc(key, shard, dtype, tuple(t["shape"]), base + start, end - start)  # type: ignore[arg-type]
+            index[key] = TensorLoc(
+                key,
+                shard,
+                dtype,
+                tuple(t["shape"]),
+                base + start,
+                end - start,
+                t["dtype"],  # type: ignore[arg-type]
+            )
     return index, None
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import KTConfigError
 from ..kernels.base import (
     DEFAULT_SPEC,
     LORA_NAMES,
@@ -34,6 +35,7 @@ from ..kernels.base import (
     accum_dtype,
 )
 from ..lora.fused import init_expert_lora
+from ..quant.weights import is_quantized
 from .beside import SharedBeside
 from .device_experts import DeviceExperts, count_ids
 from .function import CPUExpertsFunction, ExpertRunner
@@ -83,11 +85,19 @@ class KTExperts(nn.Module):
             p = getattr(hf_experts, name, None)
             if p is None:
                 continue
+            if is_quantized(p):  # kept quantized in RAM (``kt_ft.quant``): a plain attribute, frozen
+                setattr(self, name, p)
+                continue
             p.requires_grad_(False)
             if p.device != CPU:  # only when a model was loaded onto a GPU first
                 p.data = p.data.to(CPU)
             setattr(self, name, p)
-        base = ExpertWeights(*(getattr(self, n).data if hasattr(self, n) else None for n in names), spec=spec)
+        base = ExpertWeights(*(_base_tensor(getattr(self, n, None)) for n in names), spec=spec)
+        if base.quantized is not None and not spec.is_default:
+            raise KTConfigError(
+                f"layer {layer_idx}: {base.quantized} routed experts are computed for the silu(gate) * up layout; "
+                f"these are {spec.describe()} (dequantize the checkpoint to bf16 with `kt-ft dequantize`)"
+            )
         self.layer_idx = layer_idx
         self.num_experts, self.hidden_dim, self.intermediate_dim = (
             base.num_experts,
@@ -133,6 +143,13 @@ class KTExperts(nn.Module):
         res_ids, st_ids = tuple(sorted(resident_ids)), tuple(sorted(stream_ids))
         old_res, old_st = self.resident, self.streamed
         base = self.runner.base
+        if base.quantized is not None and st_ids:
+            raise KTConfigError(
+                f"layer {self.layer_idx}: streamed experts {list(st_ids)} with {base.quantized} routed experts: "
+                "not supported yet (quantized experts run on the CPU or resident on the GPU, kept quantized there); "
+                "use gpu_experts instead of stream / placement: auto in the rule for this model, or "
+                "`kt-ft dequantize` the checkpoint to bf16"
+            )
         if old_res is None or old_res.ids != res_ids:
             if device is None and old_res is not None:
                 device = old_res.device
@@ -162,6 +179,15 @@ class KTExperts(nn.Module):
         streamed = self.streamed.ids if self.streamed is not None else ()
         resident = set(ids)
         self.set_placement(ids, [e for e in streamed if e not in resident], device)
+
+    def base_nbytes(self) -> int:
+        """Bytes of the frozen routed-expert weights held in RAM (as stored when kept quantized)."""
+        quant = [
+            getattr(self, n) for n in ("gate_up_proj", "down_proj") if is_quantized(getattr(self, n, None))
+        ]
+        return sum(q.nbytes() for q in quant) + sum(
+            p.numel() * p.element_size() for p in self.base_parameters()
+        )
 
     def lora_tensors(self) -> LoraTensors:
         return LoraTensors(*(getattr(self, n) for n in LORA_NAMES))
@@ -251,6 +277,13 @@ class KTExperts(nn.Module):
         """This layer's streaming counters (copies, bytes_streamed, hits, prefetch_hits, copies_by),
         None when it streams nothing."""
         return self.streamed.stats() if self.streamed is not None else None
+
+
+def _base_tensor(p):
+    """A base weight for ``ExpertWeights``: a parameter's tensor, or a ``QuantizedExperts`` as is."""
+    if p is None or is_quantized(p):
+        return p
+    return p.data
 
 
 class _LoraToHost(torch.autograd.Function):

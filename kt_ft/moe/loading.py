@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import KTConfigError
 from ..log import get_logger
+from ..quant.detect import config_source, take_quantization_config
 from ..rules import make_plan
 from ..rules.plan import PlacementPlan
 from ..rules.skeleton import meta_model
@@ -105,9 +107,32 @@ class ExpertReader:
         return fill_routed_experts(model, self.sources, allocate)
 
 
-def plan_expert_reader(model_dir, config, expert_names: list[str]) -> ExpertReader | None:
+def plan_expert_reader(model_dir, config, expert_names: list[str], quant=None):
     """An ExpertReader when ``model_dir`` is a local checkpoint whose expert layout kt-ft reads,
-    else None (transformers loads the experts; the reason is logged)."""
+    else None (transformers loads the experts; the reason is logged). ``quant``: the checkpoint's
+    quantized format (``kt_ft.quant.take_quantization_config``): a ``QuantizedExpertReader`` then,
+    or an error saying why kt-ft cannot read it (transformers would not keep the experts quantized)."""
+    if quant is not None:
+        from ..quant.loading import (
+            QuantizedExpertReader,
+            find_quantized_sources,
+        )  # why: quant.loading imports moe
+
+        path = Path(str(model_dir))
+        if not enabled(STREAM_ENV) or not path.is_dir():
+            why = f"{STREAM_ENV}=0" if path.is_dir() else "it is not a local directory"
+            raise KTConfigError(
+                f"{model_dir}: {quant.name} routed experts are read by kt-ft itself, and {why}; "
+                f"give a local checkpoint directory (with {STREAM_ENV} unset)"
+            )
+        sources = find_quantized_sources(path, meta_model(config, torch.bfloat16), expert_names, quant)
+        stored = ", ".join(s.name for s in quant.stored(1, 1))
+        logger.info(
+            f"{model_dir}: {quant.name} checkpoint; transformers loads it as a plain model, so its load report "
+            f"lists the quantized tensors ({stored}) as UNEXPECTED and may list the routed experts as MISSING: "
+            "kt-ft reads those itself right after it (routed experts kept quantized, the rest dequantized)"
+        )
+        return QuantizedExpertReader(path, list(expert_names), sources, quant)
     if not enabled(STREAM_ENV):
         logger.info(f"{STREAM_ENV}=0: transformers loads the routed experts")
         return None
@@ -128,12 +153,14 @@ def load_planned(model_dir, device_map: dict, plan: PlacementPlan, **kwargs) -> 
     goes through ``kt_ft.llamafactory.model.plan_loading``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    reader = plan_expert_reader(
-        model_dir, AutoConfig.from_pretrained(model_dir), [e.name for e in plan.experts]
-    )
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(model_dir)
+    # a quantized checkpoint: refused here when kt-ft does not read its method; else transformers
+    # gets the config without quantization_config and kt-ft reads the quantized tensors
+    quant = take_quantization_config(config, config_source(model_dir))
+    reader = plan_expert_reader(model_dir, config, [e.name for e in plan.experts], quant)
     if reader is not None:
         device_map = reader.device_map(device_map)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, device_map=device_map, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, device_map=device_map, **kwargs)
     if reader is not None:
         reader.fill(model)
     return model

@@ -34,12 +34,14 @@ class KTSummary:
     streamed: dict[int, tuple[int, ...]] | None = None  # layer -> experts streamed to the training device
     scheduler: StreamScheduler | None = None  # the model's stream scheduler (None: nothing streams)
     lora_on_device: tuple[int, ...] = ()  # layers whose expert LoRA lives on the training device
+    base_format: str = ""  # the routed experts' storage: a dtype (bf16, ...) or a quantized format (fp8, ...)
 
     def line(self) -> str:
         return (
             f"{self.num_experts} experts x {len(self.layers)} MoE layers on cpu via backend {self.backend} "
             f"({self.backend_reason}) with {self.threads} threads; the rest on {self.default_device}; "
             f"expert-LoRA params {self.lora_params:,}; routed-expert weights {fmt_bytes(self.expert_bytes)} in RAM"
+            + (f" ({self.base_format})" if self.base_format else "")
             + (f"; GPU-resident experts {_ids_text(self.resident)}" if self.resident else "")
             + (
                 f"; streamed experts {_ids_text(self.streamed)} (device buffers "
@@ -81,6 +83,7 @@ def replace_routed_experts(
     streamed: dict[int, tuple[int, ...]] = {}
     scheduler = StreamScheduler()  # one per model: the layers share its device buffers
     lora_params = expert_bytes = 0
+    base_format = ""
     num_experts = 0
     lora_dev_layers: list[int] = []
     peft_wrapped = False
@@ -103,7 +106,12 @@ def replace_routed_experts(
         spec = place.spec or DEFAULT_SPEC
         key = (place.backend, spec)
         if key not in backends:
-            backends[key] = select_backend(place.backend, hf.gate_up_proj.dtype, spec)
+            backends[key] = select_backend(
+                place.backend,
+                hf.gate_up_proj.dtype,
+                spec,
+                getattr(getattr(hf.gate_up_proj, "fmt", None), "name", None),
+            )
         proto, reason = backends[key]
         backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
         gpu = place.gpu_experts
@@ -140,7 +148,11 @@ def replace_routed_experts(
         if kt.lora_on_device:
             lora_dev_layers.append(place.layer)
         lora_params += sum(t.numel() for t in kt.lora_tensors())
-        expert_bytes += sum(p.numel() * p.element_size() for p in kt.base_parameters())
+        base = kt.runner.base
+        base_format = base.quantized or str(base.gate_up.dtype).removeprefix("torch.").replace(
+            "bfloat16", "bf16"
+        )
+        expert_bytes += kt.base_nbytes()
     if overlapped:
         logger.info(f"shared experts: {'; '.join(sorted(overlapped))} (KT_FT_OVERLAP_SHARED=0 turns it off)")
     names = ", ".join(sorted({b.name for b, _ in backends.values()}))
@@ -159,4 +171,5 @@ def replace_routed_experts(
         streamed=streamed,
         scheduler=scheduler if streamed else None,
         lora_on_device=tuple(lora_dev_layers),
+        base_format=base_format,
     )

@@ -49,6 +49,8 @@ class ResidentExperts:
         def sel(t):
             if t is None:
                 return None
+            if getattr(t, "fmt", None) is not None:  # kept quantized: its stored bytes go to the device
+                return (t if every else t.select(self.ids)).to(device)
             # the index on the weights' device (the rate measurement makes them on the GPU)
             return (t if every else t.index_select(0, idx.to(t.device))).to(device)
 
@@ -63,4 +65,8 @@ class ResidentExperts:
         if w is None:
             return 0
         ts = (w.gate_up, w.down, w.gate_up_bias, w.down_bias)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(
+            t.nbytes() if getattr(t, "fmt", None) is not None else t.numel() * t.element_size()
+            for t in ts
+            if t is not None
+        )

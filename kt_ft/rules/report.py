@@ -3,7 +3,8 @@
 Inputs: the (meta) model, its PlacementPlan and a few training sizes; no weight is read.
 Formulas (each number is an estimate, stated so it can be checked by hand):
 
-* parameter bytes: numel x the checkpoint dtype's size, per device of the owning module;
+* parameter bytes: numel x the checkpoint dtype's size, per device of the owning module
+  (routed experts of a quantized checkpoint: their stored bytes, ``QuantFormat.nbytes``);
   routed experts all on their expert device (the CPU keeps the full fused weights, which the
   checkpoint and merge read), plus a copy of the ``gpu_experts`` (count/E of the layer's
   experts) on the training device, plus the device buffers of the ``stream`` experts: two
@@ -147,11 +148,15 @@ def estimate(
     dtype: torch.dtype,
     sizes: TrainSizes,
     cuda_overhead_bytes: int | None = None,
+    expert_format=None,
 ) -> dict:
     """Every number of ``kt-ft rules plan`` as a JSON-ready dict (bytes, counts, groups, devices).
 
     ``cuda_overhead_bytes``: the training GPU's memory outside PyTorch's allocator (a run passes
-    what it measured plus ``CUDA_GROWTH_BYTES``); None: ``CUDA_OVERHEAD_BYTES + CUDA_GROWTH_BYTES``."""
+    what it measured plus ``CUDA_GROWTH_BYTES``); None: ``CUDA_OVERHEAD_BYTES + CUDA_GROWTH_BYTES``.
+    ``expert_format``: the routed experts' quantized format (``kt_ft.quant``), kept as stored in RAM:
+    their bytes are the format's (weights and scales of gate, up [I, H] and down [H, I] per expert);
+    the rest counts in ``dtype`` (dequantized at load)."""
     elt = torch.empty((), dtype=dtype).element_size()
     experts = {e.name: e for e in plan.experts}
     train_dev = _device(plan.module_devices.get("", "cuda"))
@@ -197,6 +202,8 @@ def estimate(
         num, hidden, inter = _expert_dims(model, e)
         on_gpu = _resident_count(e)
         per_expert = expert_numel[e.name] * elt // num
+        if expert_format is not None:
+            per_expert = 2 * expert_format.nbytes(inter, hidden) + expert_format.nbytes(hidden, inter)
         dev(_device(e.device))["param_bytes"] += per_expert * num  # resident ones too: a copy goes to the GPU
         if on_gpu:
             dev(train_dev)["param_bytes"] += per_expert * on_gpu
@@ -271,6 +278,7 @@ def estimate(
     return {
         "rule": plan.source,
         "dtype": str(dtype).removeprefix("torch."),
+        "expert_format": None if expert_format is None else expert_format.name,
         "sizes": vars(sizes),
         "groups": groups,
         "lora": lora,
@@ -294,7 +302,9 @@ def format_report(report: dict, model_dir: str) -> str:
     """The human table of ``kt-ft rules plan``."""
     s = report["sizes"]
     lines = [
-        f"{report['rule']} on {model_dir} ({report['dtype']} weights; cutoff_len {s['cutoff_len']}, "
+        f"{report['rule']} on {model_dir} ({report['dtype']} weights"
+        + (f", routed experts kept {report['expert_format']}" if report.get("expert_format") else "")
+        + f"; cutoff_len {s['cutoff_len']}, "
         f"batch {s['batch']}, lora_rank {s['lora_rank']})",
         "",
     ]

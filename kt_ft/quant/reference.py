@@ -1,0 +1,62 @@
+"""Plain dequantizers, the twins of ``formats.py``'s: written the slow, obvious way (a loop over
+128x128 blocks, over groups of 32, over the eight nibbles of a word with integer division) so a
+test comparing the two checks the vectorised path against an independent reading of the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import FP8_BLOCK, INT4_GROUP
+
+
+def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """q float8_e4m3fn [out, in], scale_inv float32 [ceil(out/128), ceil(in/128)] -> float32 [out, in]."""
+    out, inp = q.shape
+    w = torch.empty(out, inp, dtype=torch.float32)
+    for bi in range(scale_inv.shape[0]):
+        for bj in range(scale_inv.shape[1]):
+            r = slice(bi * FP8_BLOCK, min(out, (bi + 1) * FP8_BLOCK))
+            c = slice(bj * FP8_BLOCK, min(inp, (bj + 1) * FP8_BLOCK))
+            w[r, c] = q[r, c].to(torch.float32) * float(scale_inv[bi, bj])
+    return w
+
+
+def unpack_int4(packed: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """packed int32 [out, ceil(in/8)] -> q int64 [out, in] in [-8, 7] (code j of a word in bits
+    4j..4j+3, stored as q + 8)."""
+    words = packed.to(torch.int64) % 2**32  # the unsigned value of each word
+    q = torch.empty(out, words.shape[1] * 8, dtype=torch.int64)
+    for j in range(8):
+        q[:, j::8] = (words // 16**j) % 16 - 8
+    return q[:, :inp]
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors pack-quantized int4, group 32 -> float32 [out, in]."""
+    out, inp = int(shape[0]), int(shape[1])
+    q = unpack_int4(packed, out, inp)
+    w = torch.empty(out, inp, dtype=torch.float32)
+    for g in range(scale.shape[1]):
+        c = slice(g * INT4_GROUP, min(inp, (g + 1) * INT4_GROUP))
+        w[:, c] = q[:, c].to(torch.float32) * scale[:, g : g + 1].to(torch.float32)
+    return w
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q int8 [out, in], scale [out, 1] -> float32 [out, in], row by row."""
+    w = torch.empty(q.shape, dtype=torch.float32)
+    for r in range(q.shape[0]):
+        w[r] = q[r].to(torch.float32) * float(scale[r, 0])
+    return w
+
+
+def dequantize(fmt_name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Reference dequantization of one weight of format ``fmt_name`` -> float32 [out, in]."""
+    if fmt_name == "fp8":
+        return dequantize_fp8(parts["weight"], parts["weight_scale_inv"])
+    if fmt_name == "int4":
+        return dequantize_int4(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"])
+    if fmt_name == "int8":
+        return dequantize_int8(parts["weight"], parts["weight_scale"])
+    raise ValueError(f"no reference dequantizer for format {fmt_name!r}")

@@ -1,0 +1,121 @@
+"""A routed-expert weight kept quantized in RAM: stands where a fused [E, rows, cols] tensor would.
+
+``QuantizedExperts`` holds one fused expert parameter (``gate_up_proj`` [E, 2I, H] or
+``down_proj`` [E, H, I]) as the stored tensors of its parts (gate and up for ``gate_up_proj``,
+each stacked over experts on dim 0, exactly the bytes of the files). The compute reads it one
+expert at a time: ``w[e]`` dequantizes expert e only, to [rows, cols] in the compute dtype, so a
+layer is never dequantized whole (a backend's temporary is one expert's bf16 weight).
+
+It answers what the backends ask of a fused tensor (``shape``, ``dtype``: the compute dtype,
+``device``, ``[e]`` with an int) and nothing else: any other indexing raises, so code that
+would read a whole layer at once fails loudly instead of materialising it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import QuantFormat
+
+
+class QuantizedExperts:
+    """One fused expert weight [E, rows, cols], stored quantized.
+
+    ``parts``: per part (rows stacked in this order, e.g. gate then up), {suffix: tensor stacked
+    over experts [E, ...]}; ``part_rows``: each part's rows; ``cols``: the input size;
+    ``dtype``: the dtype ``[e]`` returns (the training dtype).
+    """
+
+    def __init__(
+        self,
+        fmt: QuantFormat,
+        parts: list[dict[str, torch.Tensor]],
+        part_rows: list[int],
+        cols: int,
+        dtype: torch.dtype,
+    ) -> None:
+        if len(parts) != len(part_rows) or not parts:
+            raise ValueError("QuantizedExperts: one row count per part, at least one part")
+        self.fmt = fmt
+        self.parts = parts
+        self.part_rows = list(part_rows)
+        self.cols = cols
+        self.dtype = dtype
+        self.num_experts = next(iter(parts[0].values())).shape[0]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.num_experts, sum(self.part_rows), self.cols))
+
+    def dim(self) -> int:
+        return 3
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.parts[0].values())).device
+
+    @property
+    def requires_grad(self) -> bool:
+        return False  # frozen base
+
+    def nbytes(self) -> int:
+        """Bytes held (the stored tensors: what RAM holds for this weight)."""
+        return sum(t.numel() * t.element_size() for p in self.parts for t in p.values())
+
+    def dequantize_bytes(self) -> int:
+        """Bytes the same weight takes in ``dtype`` (for the log's comparison)."""
+        return self.shape.numel() * self.dtype.itemsize
+
+    def expert(self, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Expert e dequantized: [rows, cols] in ``dtype`` (default ``self.dtype``)."""
+        dt = dtype or self.dtype
+        ws = [self.fmt.dequantize({k: t[e] for k, t in p.items()}, dt) for p in self.parts]
+        return ws[0] if len(ws) == 1 else torch.cat(ws, 0)
+
+    def __getitem__(self, e) -> torch.Tensor:
+        if isinstance(e, torch.Tensor) and e.numel() == 1 and not e.is_floating_point():
+            e = int(e)
+        if not isinstance(e, int):
+            raise TypeError(
+                f"quantized expert weights are read one expert at a time (w[e] with an int e), got {e!r}: "
+                "dequantizing a whole layer at once is what they exist to avoid"
+            )
+        return self.expert(e)
+
+    def select(self, ids: list[int] | tuple[int, ...]) -> QuantizedExperts:
+        """The experts ``ids`` only (a copy of their stored bytes)."""
+        idx = torch.tensor(list(ids), dtype=torch.long, device=self.device)
+        parts = [{k: t.index_select(0, idx) for k, t in p.items()} for p in self.parts]
+        return QuantizedExperts(self.fmt, parts, self.part_rows, self.cols, self.dtype)
+
+    def to(self, device: torch.device | str) -> QuantizedExperts:
+        """The stored tensors on ``device`` (still quantized: the bytes that cross the link)."""
+        parts = [{k: t.to(device) for k, t in p.items()} for p in self.parts]
+        return QuantizedExperts(self.fmt, parts, self.part_rows, self.cols, self.dtype)
+
+    def dequantize_all(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole fused weight [E, rows, cols] in ``dtype``: export and tests only."""
+        dt = dtype or self.dtype
+        out = torch.empty(self.shape, dtype=dt, device=self.device)
+        for e in range(self.num_experts):
+            out[e] = self.expert(e, dt)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedExperts({self.fmt.name}, shape={tuple(self.shape)}, parts={self.part_rows}, "
+            f"computes in {self.dtype})"
+        )
+
+
+def is_quantized(t) -> bool:
+    return isinstance(t, QuantizedExperts)
+
+
+def stored_nbytes(t) -> int:
+    """Bytes a base weight holds: a tensor's, or a ``QuantizedExperts``' stored tensors'."""
+    return t.nbytes() if is_quantized(t) else t.numel() * t.element_size()

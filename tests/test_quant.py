@@ -1,0 +1,597 @@
+"""Quantized base weights (``kt_ft/quant``): formats, loading, compute, CLI, checkpoints, plans.
+
+Every check compares against something computed another way: the vectorised dequantizers
+against the plain twins of ``kt_ft/quant/reference.py`` (and a hand-packed int4 word), the
+quantized model's loss and gradients against the same model dequantized to fp32 and run by the
+pure-torch reference backend, the plan's bytes against the formula from the config, peak RSS
+against the experts' bf16 size.
+
+Tolerances: dequantizers bitwise (both compute q * s in fp32, one rounding); training parity in
+fp32: loss rel 1e-6, every gradient within 1e-5 of its largest entry (the torch backend sums in
+another order than the reference loop; measured ~1e-6). Seeds are printed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tiny_models import tiny_model
+
+from kt_ft.cli import main as cli
+from kt_ft.errors import KTConfigError
+from kt_ft.export.quantize import dequantize_checkpoint, quantize_checkpoint
+from kt_ft.models import FAMILIES
+from kt_ft.quant import FORMATS, QuantizedExperts, detect_format
+from kt_ft.quant import reference as R
+from kt_ft.quant.detect import take_quantization_config
+from kt_ft.quant.formats import pack_int4
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 2**20
+SEED = 0
+
+
+# --- formats --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_dequantize_matches_the_plain_twin(fmt):
+    """Vectorised dequantize == the loop-over-blocks/groups/nibbles twin, bitwise; stored tensors
+    have the shapes and dtypes the format declares; the error against the original weight is
+    what the format allows (fp8 e4m3: 3 mantissa bits; int4: 16 levels; int8: 255)."""
+    f = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(SEED)
+    bound = {"fp8": 0.04, "int4": 0.12, "int8": 0.01}[fmt]
+    for shape in [(256, 384), (100, 70), (32, 64)]:
+        w = torch.randn(shape, generator=gen) * 0.02
+        parts = f.quantize(w.to(torch.bfloat16))
+        declared = {s.name: (s.shape, s.dtype) for s in f.stored(*shape)}
+        assert {k: (tuple(t.shape), t.dtype) for k, t in parts.items()} == declared
+        got = f.dequantize(parts, torch.float32)
+        assert torch.equal(got, R.dequantize(fmt, parts)), (fmt, shape)
+        rel = ((got - w).norm() / w.norm()).item()
+        assert rel < bound, (fmt, shape, rel)
+        assert f.nbytes(*shape) == sum(t.numel() * t.element_size() for t in parts.values())
+
+
+def test_int4_words_are_compressed_tensors_pack_quantized():
+    """Hand-packed words: code j of a word in bits 4j..4j+3, stored as q + 8 (compressed-tensors'
+    pack_to_int32 offset encoding): 0x76543210 holds q = -8..-1, 0xFEDCBA98 holds q = 0..7."""
+    hi = 0xFEDCBA98 - 2**32  # the same bits as a signed int32
+    packed = torch.tensor([[0x76543210, hi]], dtype=torch.int32)
+    scale = torch.tensor([[0.5]], dtype=torch.bfloat16)
+    shape = torch.tensor([1, 16], dtype=torch.int32)
+    want = torch.arange(-8, 8, dtype=torch.float32)[None] * 0.5
+    parts = {"weight_packed": packed, "weight_scale": scale, "weight_shape": shape}
+    assert torch.equal(FORMATS["int4"].dequantize(parts, torch.float32), want)
+    assert torch.equal(R.dequantize("int4", parts), want)
+    # and kt-ft's packer writes exactly those words for those codes
+    assert pack_int4(torch.arange(-8, 8)[None]).tolist() == [[0x76543210, hi]]
+
+
+# --- detection: refused before any weight is read ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "qc, key",
+    [
+        ({"quant_method": "gptq", "bits": 4}, "quant_method"),
+        ({"quant_method": "awq", "bits": 4}, "quant_method"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
+        ({"quant_method": "fp8", "weight_block_size": [1, 128]}, "weight_block_size"),
+        ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}}, "format"),
+    ],
+)
+def test_other_quantizations_are_refused_before_loading(tmp_path, qc, key):
+    """gptq / awq / bnb / other schemes: refused from config.json with file, key, value and the
+    supported choices -- in ``kt-ft rules check`` and in the loader, before any weight is read
+    (there are none in the directory: a loader that read weights first would fail otherwise)."""
+    from kt_ft.moe.loading import load_planned, planned_device_map
+    from kt_ft.rules import load_rules, resolve_rule_path
+
+    model = tiny_model("qwen3_moe")
+    model.config.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    with pytest.raises(KTConfigError) as err:
+        detect_format(json.loads((tmp_path / "config.json").read_text()), tmp_path / "config.json")
+    msg = str(err.value)
+    assert str(tmp_path / "config.json") in msg and key in msg and "supported: fp8" in msg, msg
+    fam = FAMILIES["qwen3_moe"]
+    dm, plan = planned_device_map(
+        model.config, load_rules(resolve_rule_path("qwen3_moe")), fam, "torch", 1, "cpu"
+    )
+    with pytest.raises(KTConfigError, match=key):
+        load_planned(tmp_path, dm, plan)
+
+
+# --- tiny quantized checkpoints ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpts(tmp_path_factory):
+    """A tiny random deepseek_v3 (bf16 files) and its fp8 / int4 / int8 copies by ``kt-ft quantize``."""
+    root = tmp_path_factory.mktemp("quant")
+    tiny_model("deepseek_v3", seed=SEED).to(torch.bfloat16).save_pretrained(root / "bf16")
+    (root / "bf16" / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    for fmt in FORMATS:
+        assert cli(["quantize", str(root / "bf16"), str(root / fmt), "--format", fmt]) == 0
+    return root
+
+
+def test_quantize_writes_the_layout_and_copies_the_rest(tiny_ckpts, tmp_path):
+    """config.json gets the format's quantization_config, the tokenizer files are copied, no
+    temporary directory is left, an existing OUT is refused, and a failure leaves no OUT."""
+    for fmt in FORMATS:
+        out = tiny_ckpts / fmt
+        assert detect_format(json.loads((out / "config.json").read_text())) is FORMATS[fmt]
+        assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
+        with safe_open(out / "model.safetensors", "pt") as f:
+            keys = set(f.keys())
+        marker = FORMATS[fmt].marker()
+        assert f"model.layers.1.mlp.experts.7.down_proj.{marker}" in keys
+        # fp8 also stores attention / shared experts quantized (DeepSeek-V3); int4/int8 experts only
+        assert (f"model.layers.0.self_attn.q_a_proj.{marker}" in keys) == (fmt == "fp8")
+    assert not [p for p in tiny_ckpts.iterdir() if p.name.startswith(".")]
+    assert cli(["quantize", str(tiny_ckpts / "bf16"), str(tiny_ckpts / "int8"), "--format", "int8"]) == 2
+
+    class Boom(RuntimeError):
+        pass
+
+    def fail(w):
+        raise Boom
+
+    f = FORMATS["int4"]
+    orig, f.quantize = f.quantize, fail
+    try:
+        with pytest.raises(Boom):
+            quantize_checkpoint(tiny_ckpts / "bf16", tmp_path / "out", "int4")
+    finally:
+        f.quantize = orig
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_dequantize_gives_the_twins_weights(tiny_ckpts, tmp_path):
+    """``kt-ft dequantize``: each stored-quantized weight == the plain twin's dequantization of
+    the quantized file's tensors (then rounded to bf16), every other tensor copied bitwise."""
+    out = tmp_path / "d"
+    assert cli(["dequantize", str(tiny_ckpts / "fp8"), str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["kt_ft_dequantized_from"]["format"] == "fp8"
+    with (
+        safe_open(tiny_ckpts / "fp8" / "model.safetensors", "pt") as q,
+        safe_open(out / "model.safetensors", "pt") as d,
+    ):
+        qkeys = set(q.keys())
+        n = 0
+        for key in d.keys():
+            stem = key[: -len("weight")]
+            if f"{stem}weight_scale_inv" in qkeys:
+                want = R.dequantize(
+                    "fp8", {k: q.get_tensor(stem + k) for k in ("weight", "weight_scale_inv")}
+                )
+                assert torch.equal(d.get_tensor(key), want.to(torch.bfloat16)), key
+                n += 1
+            else:
+                assert torch.equal(d.get_tensor(key), q.get_tensor(key)), key
+    assert n == 8 * 3 * 2 + 24  # routed experts of 2 MoE layers + attention / dense / shared projections
+
+
+def test_mismatched_scale_shape_names_the_tensor_and_file(tiny_ckpts, tmp_path):
+    from kt_ft.quant.loading import find_quantized_sources
+    from kt_ft.rules.skeleton import meta_model
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with safe_open(tiny_ckpts / "fp8" / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    key = "model.layers.2.mlp.experts.3.up_proj.weight_scale_inv"
+    tensors[key] = torch.ones(2, 2)
+    save_file(tensors, bad / "model.safetensors")
+    (bad / "config.json").write_text((tiny_ckpts / "fp8" / "config.json").read_text())
+    config = tiny_model("deepseek_v3").config
+    names = ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    with pytest.raises(KTConfigError) as err:
+        find_quantized_sources(bad, meta_model(config, torch.bfloat16), names, FORMATS["fp8"])
+    msg = str(err.value)
+    assert key in msg and str(bad / "model.safetensors") in msg and "[2, 2]" in msg and "[1, 1]" in msg, msg
+
+
+def test_int4_scale_and_shape_dtypes_of_other_writers_are_read(tiny_ckpts, tmp_path):
+    """compressed-tensors writes the scale in the model's dtype (fp16 here) and the shape as int64
+    (kt-ft: bf16, int64; int32 shapes are read too): such files load to the same values; experts
+    whose scales differ in dtype (they are stacked) are refused naming the tensor and file."""
+    from kt_ft.quant.loading import fill_quantized_experts, find_quantized_sources
+    from kt_ft.rules.skeleton import meta_model
+
+    other = tmp_path / "other"
+    other.mkdir()
+    with safe_open(tiny_ckpts / "int4" / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for k in tensors:
+        if k.endswith(".weight_scale"):
+            tensors[k] = tensors[k].to(torch.float16)
+        elif k.endswith(".weight_shape"):
+            tensors[k] = tensors[k].to(torch.int32)
+    save_file(tensors, other / "model.safetensors")
+    config = tiny_model("deepseek_v3").config
+    names = ["model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    model = meta_model(config, torch.float32)
+    fill_quantized_experts(
+        model, find_quantized_sources(other, model, names, FORMATS["int4"]), FORMATS["int4"]
+    )
+    qe = model.model.layers[2].mlp.experts.down_proj
+    assert qe.parts[0]["weight_scale"].dtype == torch.float16
+    key = "model.layers.2.mlp.experts.5.down_proj"
+    want = R.dequantize(
+        "int4", {n: tensors[f"{key}.{n}"] for n in ("weight_packed", "weight_scale", "weight_shape")}
+    )
+    assert torch.equal(qe[5], want)
+    tensors[f"{key}.weight_scale"] = tensors[f"{key}.weight_scale"].to(torch.float32)
+    save_file(tensors, other / "model.safetensors")
+    with pytest.raises(KTConfigError, match=rf"{key}.weight_scale is F32 .*\(as the first expert's F16\)"):
+        find_quantized_sources(other, meta_model(config, torch.float32), names, FORMATS["int4"])
+
+
+# --- loading and compute ----------------------------------------------------------------------
+
+
+def _load(model_dir, backend, dtype=torch.float32, rule="deepseek_v3"):
+    """kt-ft's loader + KTExperts (rank 4, alpha 8), every parameter trainable (router and
+    embeddings get gradients through the routing weights and the experts' input)."""
+    from transformers import AutoConfig
+
+    from kt_ft.moe.loading import load_planned, planned_device_map
+    from kt_ft.moe.patch import replace_routed_experts
+    from kt_ft.rules import load_rules, resolve_rule_path
+
+    config = AutoConfig.from_pretrained(model_dir)
+    take_quantization_config(config)
+    fam = FAMILIES["deepseek_v3"]
+    dm, plan = planned_device_map(config, load_rules(resolve_rule_path(rule)), fam, backend, 1, "cpu")
+    model = load_planned(model_dir, dm, plan, dtype=dtype)
+    summary = replace_routed_experts(model, plan, rank=4, scaling=2.0, chunk_size=16, seed=SEED)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("_b"):  # expert LoRA B starts at zero: make it count
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            p.requires_grad_(True)
+    return model, summary
+
+
+def _loss_and_grads(model):
+    ids = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(SEED + 2))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "int8"])
+def test_training_matches_the_dequantized_model(tiny_ckpts, tmp_path, fmt):
+    """Experts kept quantized (torch and reference backends) == the same checkpoint dequantized to
+    fp32 by ``kt-ft dequantize`` and run by the reference backend: loss and the gradients of the
+    expert LoRA, the router (routing weights) and everything before the experts (their input)."""
+    print(f"seed {SEED}")
+    plain = tmp_path / "fp32"
+    dequantize_checkpoint(tiny_ckpts / fmt, plain, "fp32")
+    ref, _ = _load(plain, "reference")
+    want_loss, want = _loss_and_grads(ref)
+    for backend in ("torch", "reference"):
+        model, summary = _load(tiny_ckpts / fmt, backend)
+        assert summary.base_format == fmt and summary.backend == backend
+        experts = model.model.layers[1].mlp.experts
+        assert isinstance(experts.gate_up_proj, QuantizedExperts) and experts.gate_up_proj.fmt is FORMATS[fmt]
+        assert summary.expert_bytes == sum(
+            m.mlp.experts.gate_up_proj.nbytes() + m.mlp.experts.down_proj.nbytes()
+            for m in model.model.layers[1:]
+        )
+        loss, got = _loss_and_grads(model)
+        assert abs(loss - want_loss) <= 1e-6 * abs(want_loss), (backend, loss, want_loss)
+        assert got.keys() == want.keys()
+        for name in [n for n in want if "experts" in n or "mlp.gate" in n or "embed" in n]:
+            assert name in got, name
+        for n, g in want.items():
+            tol = 1e-5 * g.abs().max().item() + 1e-12
+            assert (got[n] - g).abs().max().item() <= tol, (backend, n)
+
+
+def test_experts_are_dequantized_one_at_a_time(tiny_ckpts):
+    """During a forward + backward of the torch backend, every dequantization is one expert's
+    projection ([I, H] or [H, I]); indexing a whole layer raises."""
+    model, _ = _load(tiny_ckpts / "int8", "torch", torch.bfloat16)
+    f = FORMATS["int8"]
+    shapes = []
+    orig = f.dequantize
+
+    def record(parts, dtype):
+        w = orig(parts, dtype)
+        shapes.append(tuple(w.shape))
+        return w
+
+    f.dequantize = record
+    try:
+        _loss_and_grads(model)
+    finally:
+        f.dequantize = orig
+    assert shapes and set(shapes) <= {(32, 64), (64, 32)}, set(shapes)
+    qe = model.model.layers[1].mlp.experts.gate_up_proj
+    with pytest.raises(TypeError, match="one expert at a time"):
+        qe[0:2]
+
+
+def test_unsupported_backends_and_device_experts_are_refused(tiny_ckpts):
+    from kt_ft.kernels import select_backend
+
+    for name in ("native", "kt-kernel", "torch-ep"):
+        with pytest.raises(KTConfigError, match="valid choices for them: auto, torch, reference"):
+            select_backend(name, torch.bfloat16, None, "fp8")
+    backend, why = select_backend("auto", torch.bfloat16, None, "fp8")
+    assert backend.name == "torch" and "fp8" in why
+    model, _ = _load(tiny_ckpts / "fp8", "torch", torch.bfloat16)
+    with pytest.raises(KTConfigError, match="streamed experts .* not supported yet"):
+        model.model.layers[1].mlp.experts.set_placement((), (2,))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_resident_quantized_experts_match_the_dequantized_model(tiny_ckpts, tmp_path, fmt):
+    """Experts 0, 3, 5 of each layer resident on the "device" (the CPU here, as tests/test_resident.py
+    does: the split and the device products run as on a GPU), kept quantized there and dequantized
+    one expert at a time; the rest by the CPU op. Same loss and gradients as the dequantized fp32
+    model on the reference backend (tolerances of the module doc)."""
+    print(f"seed {SEED}")
+    plain = tmp_path / "fp32"
+    dequantize_checkpoint(tiny_ckpts / fmt, plain, "fp32")
+    want_loss, want = _loss_and_grads(_load(plain, "reference")[0])
+    model, _ = _load(tiny_ckpts / fmt, "torch")
+    for layer in model.model.layers[1:]:
+        layer.mlp.experts.set_placement((0, 3, 5), (), torch.device("cpu"))
+        res = layer.mlp.experts.resident
+        assert isinstance(res.weights.gate_up, QuantizedExperts) and res.weights.num_experts == 3
+        assert res.nbytes() == res.weights.gate_up.nbytes() + res.weights.down.nbytes()
+    loss, got = _loss_and_grads(model)
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss), (loss, want_loss)
+    for n, g in want.items():
+        assert (got[n] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-12, n
+
+
+# --- memory: the experts stay quantized -------------------------------------------------------
+
+_PROBE = r"""
+import json, os, sys, torch
+from pathlib import Path
+from transformers import AutoConfig
+from kt_ft.models import FAMILIES
+from kt_ft.moe import loading
+from kt_ft.quant.detect import take_quantization_config
+from kt_ft.quant.formats import pack_int4
+from kt_ft.rules import load_rules, resolve_rule_path
+
+def status(key):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+def load(d):
+    config = AutoConfig.from_pretrained(d)
+    take_quantization_config(config)
+    fam = FAMILIES["deepseek_v3"]
+    dm, plan = loading.planned_device_map(config, load_rules(resolve_rule_path("deepseek_v3")), fam, "torch", 1, "cpu")
+    return loading.load_planned(d, dm, plan, dtype=torch.bfloat16), plan
+
+load(sys.argv[2])  # warm-up: imports, allocator, code paths
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+rss0 = status("VmRSS:")
+model, plan = load(sys.argv[1])
+peak = status("VmHWM:") - rss0
+experts = [getattr(model.get_submodule(e.name), n) for e in plan.experts for n in ("gate_up_proj", "down_proj")]
+print(json.dumps({
+    "peak": peak,
+    "stored": sum(q.nbytes() for q in experts),
+    "bf16": sum(q.dequantize_bytes() for q in experts),
+    "other": sum(p.numel() * p.element_size() for p in model.parameters()),
+    "kinds": sorted({type(q).__name__ for q in experts}),
+}))
+"""
+
+
+def _random_checkpoint(out: Path, **cfg) -> None:
+    """A random bf16 deepseek_v3 (transformers' save layout), built on meta then filled (fast)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fam = FAMILIES["deepseek_v3"]
+    config = AutoConfig.for_model("deepseek_v3", vocab_size=128, **{**fam.demo_config, **cfg})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.05, 0.05, generator=gen)
+        for b in model.buffers():
+            b.zero_()
+    model.save_pretrained(out)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
+def test_loading_fp8_peaks_below_the_bf16_experts(tmp_path):
+    """Loading a DeepSeek-V3-layout fp8 checkpoint (64 experts of H 512, I 384, 2 MoE layers: 151
+    MiB of experts in bf16, 76 MiB stored) in a fresh process: peak RSS growth stays below the
+    experts' bf16 size, and within 1.1 x their stored bytes + the rest + 48 MiB."""
+    _random_checkpoint(tmp_path / "bf16", hidden_size=512, moe_intermediate_size=384, n_routed_experts=64)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", "fp8")
+    _random_checkpoint(tmp_path / "wbf16")
+    quantize_checkpoint(tmp_path / "wbf16", tmp_path / "warm", "fp8")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(tmp_path / "fp8"), str(tmp_path / "warm")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(
+        f"experts {r['stored'] / MiB:.0f} MiB stored fp8 ({r['bf16'] / MiB:.0f} MiB as bf16), rest "
+        f"{r['other'] / MiB:.0f} MiB: peak RSS growth {r['peak'] / MiB:.0f} MiB"
+    )
+    assert r["kinds"] == ["QuantizedExperts"]
+    assert r["peak"] < r["bf16"]
+    assert r["peak"] <= 1.1 * r["stored"] + r["other"] + 48 * MiB
+
+
+# --- plans ------------------------------------------------------------------------------------
+
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3",
+    architectures=["DeepseekV3ForCausalLM"],
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    max_position_embeddings=4096,
+    torch_dtype="bfloat16",
+    quantization_config={
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+)
+
+
+def _plan(tmp_path, config, capsys) -> dict:
+    d = tmp_path / config.get("quantization_config", {}).get("quant_method", "bf16")
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    cli(["rules", "plan", "--rule", "deepseek_v3", "--model", str(d), "--cpu-infer", "16", "--json"])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_rules_plan_counts_fp8_experts_as_stored(tmp_path, capsys):
+    """DeepSeek-V3's real config, fp8 as distributed: the CPU holds the experts' stored bytes
+    (1 byte a weight + a float32 per 128x128 block), from config.json alone: about half of the
+    same config in bf16, and under 800 GB of host memory in all."""
+    fp8 = _plan(tmp_path, DEEPSEEK_V3, capsys)
+    bf16 = _plan(tmp_path, {k: v for k, v in DEEPSEEK_V3.items() if k != "quantization_config"}, capsys)
+    assert fp8["expert_format"] == "fp8" and bf16["expert_format"] is None
+    layers, e, h, i = 61 - 3, 256, 7168, 2048
+    stored = layers * e * 3 * (h * i + (h // 128) * (i // 128) * 4)  # by hand: weights + block scales
+    bf16_experts = layers * e * 3 * h * i * 2
+    cpu8, cpu16 = fp8["devices"]["cpu"]["param_bytes"], bf16["devices"]["cpu"]["param_bytes"]
+    assert cpu16 - cpu8 == bf16_experts - stored  # the non-expert part is the same (bf16) in both
+    print(
+        f"DeepSeek-V3 CPU: fp8 {fp8['devices']['cpu']['total_bytes'] / 1e9:.0f} GB, bf16 {bf16['devices']['cpu']['total_bytes'] / 1e9:.0f} GB"
+    )
+    assert fp8["devices"]["cpu"]["total_bytes"] <= 800e9 < bf16["devices"]["cpu"]["total_bytes"]
+
+
+def test_rules_plan_counts_int4_experts_as_stored(tmp_path, capsys):
+    """Kimi K2's shapes (as a deepseek_v3 config: 61 layers, 384 experts of H 7168, I 2048) with
+    its routed experts INT4 (compressed-tensors pack-quantized, group 32): each weight 0.5 byte
+    packed + a bf16 scale per 32 + its int64 shape pair: 571 GB of weights in RAM (the CPU's total,
+    684 GB, adds 81 GB of fp32 AdamW state of the rank-8 expert LoRA and the activations)."""
+    k2 = {**DEEPSEEK_V3, "n_routed_experts": 384, "first_k_dense_replace": 1, "num_attention_heads": 64}
+    k2["vocab_size"], k2["n_group"], k2["topk_group"] = 163840, 1, 1
+    k2["quantization_config"] = FORMATS["int4"].quantization_config()
+    int4 = _plan(tmp_path, k2, capsys)
+    assert int4["expert_format"] == "int4"
+    layers, e, h, i = 61 - 1, 384, 7168, 2048
+    per_weight = h * i // 2 + h * i // 32 * 2 + 16  # packed + scales + shape, each of 3 per expert
+    experts = layers * e * 3 * per_weight
+    non_expert_cpu = int4["devices"]["cpu"]["param_bytes"] - experts
+    assert 0 <= non_expert_cpu < 1e6, non_expert_cpu  # everything else on the GPU
+    cpu = int4["devices"]["cpu"]
+    print(
+        f"Kimi-K2-shaped int4 CPU: weights {cpu['param_bytes'] / 1e9:.0f} GB, total {cpu['total_bytes'] / 1e9:.0f} GB"
+    )
+    assert cpu["param_bytes"] <= 640e9
+
+
+# --- checkpoints: manifest and merge -----------------------------------------------------------
+
+
+def test_manifest_records_the_base_format_and_merge_refuses_it(demo_assets, tmp_path, capsys):
+    """Through LLaMA-Factory: an int8 copy of the demo loads with its experts kept int8, the saved
+    manifest says ``experts.base_format: int8``, merge onto it is refused with the reason and the
+    options, and merge onto its ``kt-ft dequantize`` copy works."""
+    pytest.importorskip("llamafactory")
+    from kt_adapters import lf_load
+
+    q = tmp_path / "int8"
+    assert cli(["quantize", str(demo_assets / "model"), str(q), "--format", "int8"]) == 0
+    model = lf_load(demo_assets, True, model_dir=q, output_dir=str(tmp_path / "train"))
+    experts = [m for m in model.modules() if type(m).__name__ == "KTExperts"]
+    assert experts and all(isinstance(m.gate_up_proj, QuantizedExperts) for m in experts)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    manifest = json.loads((tmp_path / "adapter" / "kt_adapter_manifest.json").read_text())
+    assert manifest["experts"]["base_format"] == "int8"
+    capsys.readouterr()
+    assert cli(["merge", str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert "int8-quantized" in err and "kt-ft dequantize" in err and "kt-ft convert" in err, err
+    assert cli(["dequantize", str(q), str(tmp_path / "plain")]) == 0
+    assert (
+        cli(["merge", str(tmp_path / "adapter"), str(tmp_path / "merged"), "--base", str(tmp_path / "plain")])
+        == 0
+    )
+
+
+def test_take_quantization_config_strips_only_what_it_reads():
+    cfg = copy.deepcopy(tiny_model("deepseek_v3").config)
+    cfg.quantization_config = FORMATS["fp8"].quantization_config()
+    assert take_quantization_config(cfg) is FORMATS["fp8"]
+    assert getattr(cfg, "quantization_config", None) is None
+    cfg.quantization_config = {"quant_method": "gptq"}
+    with pytest.raises(KTConfigError):
+        take_quantization_config(cfg)
+    assert cfg.quantization_config == {"quant_method": "gptq"}  # untouched when refused
+
+
+def test_experts_interface_dispatch_reads_quantized_experts(tiny_ckpts, tmp_path):
+    """``experts_implementation='kt_ft'`` (what ``kt-ft models`` checks a type with) on experts kept
+    fp8: logits equal transformers' eager run of the checkpoint dequantized to fp32 (fp32, 1e-5 of
+    the largest logit: another summation order)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kt_ft.models.dispatch import use_kt_ft_experts
+    from kt_ft.moe.loading import load_planned, planned_device_map
+    from kt_ft.rules import load_rules, resolve_rule_path
+
+    dequantize_checkpoint(tiny_ckpts / "fp8", tmp_path / "d", "fp32")
+    config = AutoConfig.from_pretrained(tiny_ckpts / "fp8")
+    take_quantization_config(config)
+    dm, plan = planned_device_map(
+        config, load_rules(resolve_rule_path("deepseek_v3")), FAMILIES["deepseek_v3"], "torch", 1, "cpu"
+    )
+    model = load_planned(tiny_ckpts / "fp8", dm, plan, dtype=torch.float32)
+    use_kt_ft_experts(model)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "d", dtype=torch.float32)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(SEED))
+    with torch.no_grad():
+        got, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
