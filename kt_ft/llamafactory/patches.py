@@ -16,7 +16,9 @@
   kt-ft is attached to the loaded model, its experts generate (no grad, KV cache, batches) like
   any module: the rest of ``run_sft`` sees ``use_kt: false`` (``kt_model_loaded``).
 
-With ``use_kt`` false or absent every patched function calls the original unchanged.
+With ``use_kt`` false or absent every patched function calls the original unchanged, with one
+exception that changes no run LLaMA-Factory accepts: a vision tower's patch-embedding Conv3d, which
+LLaMA-Factory refuses under torch 2.9.x, is computed as the equal matmul (``patch_embed``).
 """
 
 from __future__ import annotations
@@ -197,6 +199,11 @@ def patch_loader_module(loader: ModuleType) -> None:
 
             # right after from_pretrained, before LLaMA-Factory touches the parameters
             fill_read_experts(model, model_args)
+        from .patch_embed import avoid_conv3d_refusal  # why: as attach_kt above
+
+        # Vision towers: with or without use_kt, where LLaMA-Factory would otherwise refuse the
+        # model outright (Conv3d under torch 2.9.x), so no run it accepts is changed.
+        avoid_conv3d_refusal(model)
         return original_patch_model(model, tokenizer, model_args, *args, **kwargs)
 
     loader.init_adapter = init_adapter
