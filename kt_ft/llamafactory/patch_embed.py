@@ -23,7 +23,7 @@ from ..log import get_logger
 logger = get_logger(__name__)
 
 
-class PatchConv3dAsLinear(nn.Module):
+class PatchConv3dAsMatmul(nn.Module):
     """A stride == kernel ``nn.Conv3d`` computed as one matmul on patch-sized inputs.
 
     ``weight`` [D, C, t, p, p], ``bias`` [D] or None (the conv's own Parameters). Input
@@ -58,7 +58,7 @@ class PatchConv3dAsLinear(nn.Module):
 
 
 def replace_patch_conv3d(model: nn.Module) -> list[str]:
-    """Swap every stride == kernel ``nn.Conv3d`` of ``model`` for ``PatchConv3dAsLinear`` in place;
+    """Swap every stride == kernel ``nn.Conv3d`` of ``model`` for ``PatchConv3dAsMatmul`` in place;
     returns the dotted names swapped. A Conv3d of another kind raises ValueError naming it (it
     would still trip LLaMA-Factory's check, and is not a patch embedding)."""
     swapped = []
@@ -66,7 +66,7 @@ def replace_patch_conv3d(model: nn.Module) -> list[str]:
         if not isinstance(module, nn.Conv3d):
             continue
         try:
-            replacement = PatchConv3dAsLinear(module)
+            replacement = PatchConv3dAsMatmul(module)
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
         parent_name, _, attr = name.rpartition(".")
