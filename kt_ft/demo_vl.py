@@ -5,7 +5,7 @@
 * ``DIR/model``: a random ``Qwen3VLMoeForConditionalGeneration`` (or
   ``Qwen3_5MoeForConditionalGeneration``) from a tiny config -- a 2-block vision tower (patch 16,
   2x2 merge: a 64x64 image is 4x4 patches, 4 language tokens), its merger (the multimodal
-  projector) and a 2-layer MoE language model, 8 experts top-2, hidden 64 -- with a byte-level BPE
+  projector) and a 2-layer MoE language model, 8 experts top-2, hidden 64, expert width 48 -- with a byte-level BPE
   tokenizer trained locally that has the vision tokens (``<|vision_start|>``, ``<|image_pad|>``,
   ...), and a ``Qwen3VLProcessor`` (image processor config: patch 16, merge 2, mean/std 0.5);
 * ``DIR/data``: ``images/*.png`` (a coloured circle, square or triangle on white, drawn with PIL),
@@ -50,7 +50,9 @@ _TEXT = dict(
     tie_word_embeddings=False,
     hidden_act="silu",
     num_hidden_layers=2,
-    moe_intermediate_size=32,
+    # 2I = 96 != H = 64: the fused gate_up_proj [E, 2I, H] and its transpose (the layout of the
+    # hub's Qwen3-VL-MoE files) differ in shape, so a layout mix-up fails instead of passing
+    moe_intermediate_size=48,
     num_experts=8,
     num_experts_per_tok=2,
 )

@@ -3,7 +3,9 @@
 * ``llamafactory.hparams.parser``: its ``ModelArguments`` gains kt-ft's keys (``KTArguments``
   overrides LLaMA-Factory's own ``use_kt``), the fork-only dependency check
   (transformers-kt, accelerate-kt) is skipped for kt-ft runs, and the data-parallel engine is
-  checked (DeepSpeed and FSDP1 refused, FSDP2 allowed: ``parallel``).
+  checked (DeepSpeed and FSDP1 refused, FSDP2 allowed: ``parallel``); a vision-language recipe's
+  bad input (images for a text-only model, a scope that freezes everything) is refused
+  (``multimodal``).
 * ``llamafactory.model.loader``: ``patch_config`` (run before any weight is read) also plans the
   placement on a meta skeleton, raising rule errors early, and with CUDA swaps LLaMA-Factory's
   ``device_map={"": cuda:N}`` for the plan's (routed experts -> "cpu"); ``init_adapter`` runs
@@ -118,7 +120,13 @@ def patch_parser_module(parser: ModuleType) -> None:
 
     def _parse_train_args(args=None):
         check_raw_recipe(args)  # before HF's TrainingArguments sets DeepSpeed up
-        return original_parse_train(args)
+        parsed = original_parse_train(args)
+        model_args, data_args, _, finetuning_args, _ = parsed
+        if getattr(model_args, "use_kt", False):
+            from .multimodal import check_multimodal_recipe  # why: reads the model's config (transformers)
+
+            check_multimodal_recipe(model_args, data_args, finetuning_args)
+        return parsed
 
     parser._parse_train_args = _parse_train_args
     parser._kt_ft_patched = True
