@@ -70,7 +70,8 @@ def _load_config(model_args: Any):
 
     try:
         return AutoConfig.from_pretrained(
-            model_args.model_name_or_path, trust_remote_code=bool(getattr(model_args, "trust_remote_code", False))
+            model_args.model_name_or_path,
+            trust_remote_code=bool(getattr(model_args, "trust_remote_code", False)),
         )
     except (OSError, ValueError):
         return None

@@ -1,0 +1,317 @@
+"""Vision-language MoE (Qwen3-VL-MoE) through LLaMA-Factory with kt-ft: images, LoRA scopes, parity,
+checkpoints, export and chat, on the tiny demo of ``kt-ft make-demo-vl-model``.
+
+LLaMA-Factory runs in this process (``run_exp``, as ``llamafactory-cli train`` calls it): its import
+is paid once and each tiny run takes about a second. One trained run (vision + language LoRA, 4
+steps, a checkpoint at step 2) is shared by the checkpoint, resume, export and chat tests.
+
+What "changed" means in the scope tests: a LoRA tensor whose value at the end (step 4) differs from
+its value at the checkpoint of step 2; a group with no LoRA tensor in the adapter did not change.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("llamafactory")
+
+from kt_ft.demo_vl import VL_DEMOS, make_demo_vl_model  # noqa: E402
+from kt_ft.llamafactory.patch_embed import PatchConv3dAsMatmul, conv3d_refused, replace_patch_conv3d  # noqa: E402
+
+GROUPS = ("vision", "projector", "language", "experts")
+# lr-0 losses, use_kt true vs false (fp32; the CPU op sums the top-k in another order than HF)
+LOSS_RTOL = 1e-5
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def train(assets: Path, out: Path, **overrides) -> Path:
+    """One ``llamafactory-cli train`` of the demo recipe, in this process; returns ``out``."""
+    from llamafactory.train.tuner import run_exp
+
+    args = dict(
+        model_name_or_path=str(assets / "model"),
+        stage="sft",
+        do_train=True,
+        finetuning_type="lora",
+        lora_rank=8,
+        lora_alpha=16,
+        lora_target="all",
+        use_kt=True,
+        cpu_infer=2,
+        chunk_size=256,
+        kt_backend="torch",
+        dataset_dir=str(assets / "data"),
+        dataset="kt_demo_vl",
+        template="qwen3_vl_nothink",
+        cutoff_len=128,
+        image_max_pixels=4096,
+        max_samples=16,
+        overwrite_cache=True,
+        preprocessing_num_workers=1,
+        dataloader_num_workers=0,
+        output_dir=str(out),
+        logging_steps=1,
+        save_steps=2,
+        overwrite_output_dir=True,
+        plot_loss=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        learning_rate=1e-2,
+        max_steps=4,
+        lr_scheduler_type="constant",
+        seed=42,
+        bf16=False,
+    )
+    run_exp({**args, **overrides})
+    return out
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def group_of(key: str) -> str:
+    """The parameter group of a PEFT adapter key (LLaMA-Factory's keys for qwen3_vl_moe)."""
+    if ".visual.merger." in key:
+        return "projector"
+    if ".visual." in key:  # blocks, and the deepstack mergers (LLaMA-Factory counts them as vision)
+        return "vision"
+    assert ".language_model." in key, key
+    return "language"
+
+
+def lora_groups(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """group -> {key: tensor} of an adapter dir (PEFT file and kt-ft's expert file)."""
+    out: dict[str, dict[str, torch.Tensor]] = {g: {} for g in GROUPS}
+    for k, v in load_file(str(directory / "adapter_model.safetensors")).items():
+        out[group_of(k)][k] = v
+    out["experts"] = load_file(str(directory / "kt_expert_lora_master.safetensors"))
+    return out
+
+
+def changed_groups(run: Path) -> set[str]:
+    """Groups with a LoRA tensor that differs between checkpoint-2 and the end of ``run``."""
+    before, after = lora_groups(run / "checkpoint-2"), lora_groups(run)
+    return {g for g in GROUPS if any(not torch.equal(before[g][k], after[g][k]) for k in after[g])}
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def vl_assets(tmp_path_factory):
+    return make_demo_vl_model(tmp_path_factory.mktemp("demo_vl"), n=16)
+
+
+@pytest.fixture(scope="module")
+def both_run(vl_assets, tmp_path_factory):
+    """Vision tower and language model trained (projector frozen): 4 steps, checkpoint at 2."""
+    return train(vl_assets, tmp_path_factory.mktemp("both") / "out", freeze_vision_tower=False)
+
+
+# --------------------------------------------------------------------------- unit
+
+
+def test_patch_embed_matmul_equals_conv3d():
+    """The swapped patch embedding computes what the Conv3d did (fp32, same Parameters)."""
+    gen = torch.Generator().manual_seed(0)
+    conv = torch.nn.Conv3d(3, 32, kernel_size=(2, 16, 16), stride=(2, 16, 16), bias=True)
+    x = torch.randn(37, 3, 2, 16, 16, generator=gen)
+    want = conv(x)
+    holder = torch.nn.Sequential(conv)
+    assert replace_patch_conv3d(holder) == ["0"]
+    swapped = holder[0]
+    assert isinstance(swapped, PatchConv3dAsMatmul) and swapped.weight is conv.weight
+    torch.testing.assert_close(swapped(x), want, rtol=1e-5, atol=1e-5)
+    # an input that is not one kernel per sample still convolves
+    wide = torch.randn(2, 3, 2, 32, 16, generator=gen)
+    torch.testing.assert_close(swapped(wide), conv(wide), rtol=0, atol=0)
+    swapped(x).sum().backward()
+    assert conv.weight.grad is not None and conv.weight.grad.abs().sum() > 0
+
+
+def test_patch_embed_refuses_other_convs():
+    conv = torch.nn.Conv3d(3, 8, kernel_size=3, stride=1)
+    with pytest.raises(ValueError, match="stride == kernel_size"):
+        replace_patch_conv3d(torch.nn.Sequential(conv))
+
+
+def test_demo_vl_model_has_the_real_structure(vl_assets):
+    """The demo model is a Qwen3-VL-MoE composite; LLaMA-Factory would refuse its Conv3d on this torch
+    (so the swap is what lets it run); 2I != H keeps the expert layouts apart."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    config = AutoConfig.from_pretrained(vl_assets / "model")
+    assert config.model_type == "qwen3_vl_moe"
+    assert 2 * config.text_config.moe_intermediate_size != config.text_config.hidden_size
+    model = AutoModelForImageTextToText.from_config(config)
+    names = [n for n, m in model.named_modules() if type(m).__name__ == "Qwen3VLMoeTextExperts"]
+    assert names == [f"model.language_model.layers.{i}.mlp.experts" for i in range(2)]
+    if torch.__version__.startswith("2.9."):
+        assert conv3d_refused(model)
+    processor = AutoProcessor.from_pretrained(vl_assets / "model")
+    tok = processor.tokenizer
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == config.image_token_id
+    data = json.loads((vl_assets / "data" / "kt_demo_vl.json").read_text())
+    assert (vl_assets / "data" / data[0]["images"][0]).is_file()
+    assert data[0]["messages"][0]["content"].startswith("<image>")
+
+
+def test_rule_names_match_under_peft_and_language_model_prefixes(vl_assets):
+    """A rule written for the text model's names places the VL model's experts, with and without
+    PEFT's prefix (the meta-skeleton plan and the plan inside PEFT agree)."""
+    from transformers import AutoConfig
+
+    from kt_ft.models import family_of
+    from kt_ft.rules import make_plan
+    from kt_ft.rules.loader import load_rules, rule_names
+    from kt_ft.rules.skeleton import meta_model
+
+    assert rule_names("base_model.model.model.language_model.layers.3.mlp.experts") == (
+        "model.language_model.layers.3.mlp.experts",
+        "model.layers.3.mlp.experts",
+    )
+    assert rule_names("base_model.model.model.visual.blocks.0.mlp") == ("model.visual.blocks.0.mlp",)
+    rule = vl_assets / "rule.yaml"
+    rule.write_text(
+        '- match:\n    name: "^model\\\\.layers\\\\.\\\\d+\\\\.mlp\\\\.experts$"\n'
+        "  replace:\n    device: cpu\n    backend: torch\n- default:\n    device: cpu\n"
+    )
+    config = AutoConfig.from_pretrained(vl_assets / "model")
+    model = meta_model(config, torch.float32)
+    peft_like = torch.nn.Module()  # PEFT's nesting: base_model.model.<the model>
+    peft_like.base_model = torch.nn.Module()
+    peft_like.base_model.model = model
+    for top, prefix in ((model, ""), (peft_like, "base_model.model.")):
+        plan = make_plan(top, load_rules(rule), family_of(config), "torch", 2)
+        assert [e.name for e in plan.experts] == [
+            f"{prefix}model.language_model.layers.{i}.mlp.experts" for i in range(2)
+        ]
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_trains_with_images_experts_on_the_cpu_op(both_run, vl_assets):
+    """The run trained (loss fell), its experts went through kt-ft's CPU op by the built-in rule,
+    and the checkpoint names the language model's experts."""
+    losses = step_losses(both_run)
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+    manifest = json.loads((both_run / "kt_adapter_manifest.json").read_text())
+    experts = manifest["experts"]
+    assert experts["targets"] == [f"model.language_model.layers.{i}.mlp.experts" for i in range(2)]
+    assert Path(experts["rule"]).name == "qwen3_vl_moe.yaml"
+    fused = load_file(str(both_run / "fused_expert_lora.safetensors"))
+    e, h, i = 8, 64, VL_DEMOS["qwen3_vl_moe"].text["moe_intermediate_size"]
+    assert fused["layers.0.experts.gate_lora_a"].shape == (e, 8, h)
+    assert fused["layers.1.experts.down_lora_b"].shape == (e, h, 8)
+    assert fused["layers.1.experts.down_lora_a"].shape == (e, 8, i)
+
+
+def test_images_reach_the_model(both_run, vl_assets, tmp_path):
+    """The pictures matter: the same run with every image replaced by a blank one has other losses
+    (lr 0, one step each, so only the inputs differ)."""
+    from PIL import Image
+
+    blank = tmp_path / "data"
+    blank.mkdir()
+    (blank / "dataset_info.json").write_text((vl_assets / "data" / "dataset_info.json").read_text())
+    (blank / "kt_demo_vl.json").write_text((vl_assets / "data" / "kt_demo_vl.json").read_text())
+    (blank / "images").mkdir()
+    for p in (vl_assets / "data" / "images").iterdir():
+        Image.new("RGB", (64, 64), (255, 255, 255)).save(blank / "images" / p.name)
+    common = dict(learning_rate=0.0, max_steps=1, save_steps=10)
+    real = step_losses(train(vl_assets, tmp_path / "real", **common))[1]
+    white = step_losses(train(vl_assets, tmp_path / "white", dataset_dir=str(blank), **common))[1]
+    assert abs(real - white) > 1e-4, (real, white)
+
+
+@pytest.mark.parametrize(
+    "scope, flags, want",
+    [
+        ("text", dict(), {"language", "experts"}),
+        ("vision", dict(freeze_vision_tower=False, freeze_language_model=True), {"vision"}),
+        (
+            "projector named",
+            dict(
+                freeze_multi_modal_projector=False, lora_target="q_proj,merger.linear_fc1,merger.linear_fc2"
+            ),
+            {"language", "experts", "projector"},
+        ),
+    ],
+)
+def test_scopes_change_exactly_their_groups(vl_assets, tmp_path, scope, flags, want):
+    """Each scope (LLaMA-Factory's own flags) changes exactly its parameter groups."""
+    run = train(vl_assets, tmp_path / "out", **flags)
+    assert changed_groups(run) == want, scope
+    if scope == "vision":  # expert LoRA saved, but never trained: B still zero
+        fused = load_file(str(run / "fused_expert_lora.safetensors"))
+        assert all(not v.any() for k, v in fused.items() if k.endswith("_b"))
+        assert not lora_groups(run)["language"]
+
+
+def test_both_scope_leaves_the_projector_out(both_run):
+    """Vision tower and language model: every group but the projector changes; `lora_target: all`
+    put no LoRA on the projector."""
+    assert changed_groups(both_run) == {"vision", "language", "experts"}
+    assert not lora_groups(both_run)["projector"]
+
+
+def test_lr0_losses_match_use_kt_false(vl_assets, tmp_path):
+    """With images, use_kt true and false give the same losses (lr 0: the same model every step),
+    rel 1e-5 (fp32)."""
+    common = dict(learning_rate=0.0, max_steps=2, save_steps=10, freeze_vision_tower=False)
+    kt = step_losses(train(vl_assets, tmp_path / "kt", **common))
+    hf = step_losses(train(vl_assets, tmp_path / "hf", use_kt=False, **common))
+    assert sorted(kt) == sorted(hf) == [1, 2]
+    for s in kt:
+        assert abs(kt[s] - hf[s]) <= LOSS_RTOL * abs(hf[s]), (s, kt[s], hf[s])
+
+
+def test_resume_continues_the_same_run(both_run, vl_assets, tmp_path):
+    """Resuming from checkpoint-2 gives steps 3-4 of the uninterrupted run and its adapter."""
+    out = train(
+        vl_assets,
+        tmp_path / "resumed",
+        freeze_vision_tower=False,
+        resume_from_checkpoint=str(both_run / "checkpoint-2"),
+    )
+    want, got = step_losses(both_run), step_losses(out)
+    for s in (3, 4):
+        assert abs(got[s] - want[s]) <= 1e-5 * abs(want[s]), (s, got[s], want[s])
+    a, b = lora_groups(out), lora_groups(both_run)
+    for g in GROUPS:
+        assert a[g].keys() == b[g].keys()
+        for k in a[g]:
+            torch.testing.assert_close(a[g][k], b[g][k], rtol=1e-4, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_image_dataset_on_a_text_only_model_is_refused(vl_assets, tmp_path):
+    from kt_ft.demo import make_demo_model
+    from kt_ft.errors import KTConfigError
+
+    text = make_demo_model(tmp_path / "text")
+    with pytest.raises(
+        KTConfigError, match=r"dataset=kt_demo_vl has media columns \[kt_demo_vl \(images\)\]"
+    ):
+        train(vl_assets, tmp_path / "out", model_name_or_path=str(text / "model"), template="qwen")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_scope_that_freezes_everything_is_refused(vl_assets, tmp_path):
+    from kt_ft.errors import KTConfigError
+
+    with pytest.raises(KTConfigError, match="freeze_language_model=true") as err:
+        train(vl_assets, tmp_path / "out", freeze_language_model=True)
+    assert "freeze_vision_tower=true" in str(err.value)
