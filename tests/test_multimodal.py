@@ -238,6 +238,8 @@ def test_images_reach_the_model(both_run, vl_assets, tmp_path):
     "scope, flags, want",
     [
         ("text", dict(), {"language", "experts"}),
+        # `all` with the projector unfrozen but the vision tower frozen: still no LoRA on the projector
+        ("text, projector unfrozen", dict(freeze_multi_modal_projector=False), {"language", "experts"}),
         ("vision", dict(freeze_vision_tower=False, freeze_language_model=True), {"vision"}),
         (
             "projector named",
@@ -315,3 +317,133 @@ def test_a_scope_that_freezes_everything_is_refused(vl_assets, tmp_path):
     with pytest.raises(KTConfigError, match="freeze_language_model=true") as err:
         train(vl_assets, tmp_path / "out", freeze_language_model=True)
     assert "freeze_vision_tower=true" in str(err.value)
+
+
+# --------------------------------------------------------------------------- export and inference
+
+
+def image_inputs(assets: Path) -> dict[str, torch.Tensor]:
+    """The processor's tensors for one demo picture and a question (what LLaMA-Factory feeds)."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(assets / "model")
+    image = Image.open(assets / "data" / "images" / "000.png").convert("RGB")
+    text = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in the picture?<|im_end|>\n"
+    return dict(processor(images=[image], text=[text], return_tensors="pt"))
+
+
+def lf_infer_model(assets: Path, adapter: Path):
+    """LLaMA-Factory's inference load (as `llamafactory-cli chat`) of the base with ``adapter``, use_kt."""
+    from llamafactory.hparams import get_infer_args
+    from llamafactory.model import load_model, load_tokenizer
+
+    model_args, _, finetuning_args, _ = get_infer_args(
+        dict(
+            model_name_or_path=str(assets / "model"),
+            adapter_name_or_path=str(adapter),
+            template="qwen3_vl_nothink",
+            finetuning_type="lora",
+            use_kt=True,
+            cpu_infer=1,
+            kt_backend="torch",
+        )
+    )
+    tokenizer = load_tokenizer(model_args)["tokenizer"]
+    return load_model(tokenizer, model_args, finetuning_args, is_trainable=False)
+
+
+def logits_of(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).logits.float()
+
+
+def hub_layout_copy(model_dir: Path, out: Path) -> Path:
+    """A copy of ``model_dir`` whose fused experts are stored as the Qwen3-VL-MoE hub files store
+    them: gate_up_proj [E, H, 2I], down_proj [E, I, H] (transposed)."""
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for k in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[k] = tensors[k].transpose(1, 2).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_merge_gives_the_trained_models_logits_with_images(both_run, vl_assets, tmp_path):
+    """`kt-ft merge` of the VL adapter (vision LoRA, language LoRA, expert LoRA under
+    model.language_model): the merged plain transformers model gives, on a picture, the logits of
+    LLaMA-Factory's base + adapter with use_kt (fp32, rtol/atol 1e-5); merged into a base in the hub's
+    transposed expert layout, the same model."""
+    from transformers import AutoModelForImageTextToText
+
+    from kt_ft.cli import main
+
+    inputs = image_inputs(vl_assets)
+    want = logits_of(lf_infer_model(vl_assets, both_run), inputs)
+    base = logits_of(AutoModelForImageTextToText.from_pretrained(vl_assets / "model").eval(), inputs)
+    assert (want - base).abs().max() > 1e-3, "the adapter changes nothing: the comparison would be void"
+
+    assert main(["merge", str(both_run), str(tmp_path / "merged")]) == 0
+    merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    torch.testing.assert_close(logits_of(merged, inputs), want, rtol=1e-5, atol=1e-5)
+
+    hub = hub_layout_copy(vl_assets / "model", tmp_path / "hub_base")
+    assert main(["merge", str(both_run), str(tmp_path / "merged_hub"), "--base", str(hub)]) == 0
+    t = "model.language_model.layers.1.mlp.experts.down_proj"
+    assert load_file(str(tmp_path / "merged_hub" / "model.safetensors"))[t].shape == (8, 48, 64)
+    merged_hub = AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "merged_hub", dtype=torch.float32
+    ).eval()
+    torch.testing.assert_close(logits_of(merged_hub, inputs), want, rtol=1e-5, atol=1e-5)
+
+
+def test_convert_writes_per_expert_keys_under_the_language_model(both_run, tmp_path):
+    """`kt-ft convert`: expert e of layer L is model.language_model.layers.L.mlp.experts.e.*_proj,
+    A / B the slices of the fp32 expert LoRA; the vision and language PEFT keys are copied."""
+    from kt_ft.cli import main
+
+    assert main(["convert", str(both_run), str(tmp_path / "conv")]) == 0
+    got = load_file(str(tmp_path / "conv" / "adapter_model.safetensors"))
+    fused = load_file(str(both_run / "kt_expert_lora_master.safetensors"))
+    peft = load_file(str(both_run / "adapter_model.safetensors"))
+    experts = {k for k in got if ".mlp.experts." in k}
+    assert len(experts) == 2 * 8 * 3 * 2
+    prefix = "base_model.model.model.language_model.layers"
+    for layer in (0, 1):
+        for e in (0, 7):
+            key = f"{prefix}.{layer}.mlp.experts.{e}.down_proj.lora_B.weight"
+            assert torch.equal(got[key], fused[f"layers.{layer}.experts.down_lora_b"][e])
+    assert {k: v for k, v in got.items() if k not in experts}.keys() == peft.keys()
+    assert any(".visual.blocks." in k for k in peft)
+
+
+def test_chat_answers_about_an_image(both_run, vl_assets, tmp_path):
+    """LLaMA-Factory's ChatModel (what `llamafactory-cli chat` runs) with the trained adapter and
+    use_kt generates for a picture, greedily, the same tokens as the merged model without kt-ft."""
+    from llamafactory.chat import ChatModel
+    from PIL import Image
+
+    from kt_ft.cli import main
+
+    assert main(["merge", str(both_run), str(tmp_path / "merged")]) == 0
+    image = Image.open(vl_assets / "data" / "images" / "001.png").convert("RGB")
+    messages = [{"role": "user", "content": "<image>What is in the picture?"}]
+    common = dict(template="qwen3_vl_nothink", image_max_pixels=4096, do_sample=False, max_new_tokens=6)
+    kt = ChatModel(
+        dict(
+            model_name_or_path=str(vl_assets / "model"),
+            adapter_name_or_path=str(both_run),
+            finetuning_type="lora",
+            use_kt=True,
+            cpu_infer=1,
+            kt_backend="torch",
+            **common,
+        )
+    ).chat(messages, images=[image])[0]
+    plain = ChatModel(dict(model_name_or_path=str(tmp_path / "merged"), **common)).chat(
+        messages, images=[image]
+    )[0]
+    assert kt.response_length >= 1 and kt.prompt_length > 4  # the picture's tokens are in the prompt
+    assert kt.response_text == plain.response_text
