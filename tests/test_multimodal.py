@@ -112,6 +112,12 @@ def vl_assets(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def vl35_assets(tmp_path_factory):
+    """The Qwen3.5-MoE vision-language demo (hybrid attention, shared expert)."""
+    return make_demo_vl_model(tmp_path_factory.mktemp("demo_vl35"), family="qwen3_5_moe", n=16)
+
+
+@pytest.fixture(scope="module")
 def both_run(vl_assets, tmp_path_factory):
     """Vision tower and language model trained (projector frozen): 4 steps, checkpoint at 2."""
     return train(vl_assets, tmp_path_factory.mktemp("both") / "out", freeze_vision_tower=False)
@@ -267,12 +273,20 @@ def test_both_scope_leaves_the_projector_out(both_run):
     assert not lora_groups(both_run)["projector"]
 
 
-def test_lr0_losses_match_use_kt_false(vl_assets, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_lr0_losses_match_use_kt_false(family, request, tmp_path):
     """With images, use_kt true and false give the same losses (lr 0: the same model every step),
-    rel 1e-5 (fp32)."""
-    common = dict(learning_rate=0.0, max_steps=2, save_steps=10, freeze_vision_tower=False)
-    kt = step_losses(train(vl_assets, tmp_path / "kt", **common))
-    hf = step_losses(train(vl_assets, tmp_path / "hf", use_kt=False, **common))
+    rel 1e-5 (fp32); Qwen3-VL-MoE and the multimodal Qwen3.5-MoE."""
+    assets = request.getfixturevalue("vl_assets" if family == "qwen3_vl_moe" else "vl35_assets")
+    common = dict(
+        learning_rate=0.0,
+        max_steps=2,
+        save_steps=10,
+        freeze_vision_tower=False,
+        template=VL_DEMOS[family].template,
+    )
+    kt = step_losses(train(assets, tmp_path / "kt", **common))
+    hf = step_losses(train(assets, tmp_path / "hf", use_kt=False, **common))
     assert sorted(kt) == sorted(hf) == [1, 2]
     for s in kt:
         assert abs(kt[s] - hf[s]) <= LOSS_RTOL * abs(hf[s]), (s, kt[s], hf[s])
@@ -294,6 +308,42 @@ def test_resume_continues_the_same_run(both_run, vl_assets, tmp_path):
         assert a[g].keys() == b[g].keys()
         for k in a[g]:
             torch.testing.assert_close(a[g][k], b[g][k], rtol=1e-4, atol=1e-6)
+
+
+def test_qwen3_5_moe_trains_with_images_and_scopes(vl35_assets, tmp_path):
+    """The multimodal Qwen3.5-MoE: with images, vision + language LoRA and the expert LoRA train,
+    the projector (model.visual.merger) gets none, its experts go through the CPU op."""
+    run = train(vl35_assets, tmp_path / "out", template="qwen3_5_nothink", freeze_vision_tower=False)
+    assert changed_groups(run) == {"vision", "language", "experts"}
+    assert not lora_groups(run)["projector"]
+    manifest = json.loads((run / "kt_adapter_manifest.json").read_text())["experts"]
+    assert manifest["targets"] == [f"model.language_model.layers.{i}.mlp.experts" for i in range(2)]
+
+
+def test_real_model_recipe_is_consistent():
+    """recipes/qwen3_vl_30b_a3b.yaml: kt keys validate, the family's built-in rule places the
+    Qwen3-VL-MoE experts on the CPU, the template exists in LLaMA-Factory, bf16 LoRA."""
+    import yaml
+    from llamafactory.data.template import TEMPLATES
+    from transformers import AutoConfig
+
+    from kt_ft.hparams import KTArguments
+    from kt_ft.models import family_of
+    from kt_ft.models.tiny import tiny_config
+    from kt_ft.rules import load_rules, resolve_rule_path
+
+    repo = Path(__file__).resolve().parents[1]
+    family = family_of(tiny_config("qwen3_vl_moe"))
+    assert isinstance(AutoConfig.for_model("qwen3_vl_moe"), type(tiny_config("qwen3_vl_moe")))
+    r = yaml.safe_load((repo / "recipes" / family.recipe).read_text())
+    KTArguments(**{k: r[k] for k in ("use_kt", "kt_optimize_rule", "cpu_infer", "chunk_size", "kt_backend")})
+    assert r["kt_optimize_rule"] == family.builtin_rule == "qwen3_vl_moe"
+    rules = load_rules(resolve_rule_path(family.builtin_rule))
+    assert any("Qwen3VLMoeTextExperts" in rule.classes and rule.device == "cpu" for rule in rules.rules)
+    assert r["template"] in TEMPLATES and family.template in TEMPLATES
+    assert r["use_kt"] is True and r["bf16"] is True and r["finetuning_type"] == "lora"
+    demo = yaml.safe_load((repo / "recipes" / "demo_tiny_qwen3vl_moe.yaml").read_text())
+    assert demo["template"] == VL_DEMOS["qwen3_vl_moe"].template and demo["dataset"] == "kt_demo_vl"
 
 
 # --------------------------------------------------------------------------- bad input
