@@ -449,6 +449,28 @@ def test_merge_gives_the_trained_models_logits_with_images(both_run, vl_assets, 
     torch.testing.assert_close(logits_of(merged_hub, inputs), want, rtol=1e-5, atol=1e-5)
 
 
+def test_hub_layout_experts_are_read_straight_from_the_files(vl_assets, tmp_path):
+    """A checkpoint storing the experts as the Qwen3-VL-MoE hub files do (transposed) is read by
+    kt-ft itself into the same tensors transformers loads from the untransposed file (exact)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from kt_ft.moe.loading import install_dispatch_guard, plan_expert_reader
+
+    hub = hub_layout_copy(vl_assets / "model", tmp_path / "hub")
+    names = [f"model.language_model.layers.{i}.mlp.experts" for i in range(2)]
+    reader = plan_expert_reader(hub, AutoConfig.from_pretrained(hub), names)
+    assert reader is not None and {s.layout for s in reader.sources} == {"fused_transposed"}
+    install_dispatch_guard()
+    model = AutoModelForImageTextToText.from_pretrained(hub, device_map=reader.device_map({"": "cpu"}))
+    assert model.get_submodule(names[0]).down_proj.device.type == "meta"
+    reader.fill(model)
+    ref = AutoModelForImageTextToText.from_pretrained(vl_assets / "model")
+    for n in names:
+        for p in ("gate_up_proj", "down_proj"):
+            want = getattr(ref.get_submodule(n), p)
+            assert torch.equal(getattr(model.get_submodule(n), p), want), (n, p)
+
+
 def test_convert_writes_per_expert_keys_under_the_language_model(both_run, tmp_path):
     """`kt-ft convert`: expert e of layer L is model.language_model.layers.L.mlp.experts.e.*_proj,
     A / B the slices of the fp32 expert LoRA; the vision and language PEFT keys are copied."""
