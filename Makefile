@@ -13,9 +13,10 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export DISABLE_VERSION_CHECK := 0
 DEMO_DIR ?= demo
+DEMO_VL_DIR ?= demo_vl
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint format clean-demo
+.PHONY: install demo demo-vl test test-fast lint format clean-demo
 
 install: $(CACHED_VENV)/.stack-ok
 	@if [ ! -e $(VENV) ] || [ "$$(readlink $(VENV))" != "$(CACHED_VENV)" ]; then rm -rf $(VENV); ln -s $(CACHED_VENV) $(VENV); fi
@@ -35,6 +36,13 @@ $(DEMO_DIR)/model/config.json:
 demo: install $(DEMO_DIR)/model/config.json
 	$(BIN)/llamafactory-cli train recipes/demo_tiny_qwen3moe.yaml
 
+$(DEMO_VL_DIR)/model/config.json:
+	$(BIN)/kt-ft make-demo-vl-model $(DEMO_VL_DIR)
+
+# The vision-language demo: tiny Qwen3-VL-MoE, generated pictures of shapes, vision + language LoRA.
+demo-vl: install $(DEMO_VL_DIR)/model/config.json
+	$(BIN)/llamafactory-cli train recipes/demo_tiny_qwen3vl_moe.yaml
+
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
@@ -52,4 +60,4 @@ format: install
 	$(BIN)/ruff check --fix kt_ft tests hatch_build.py
 
 clean-demo:
-	rm -rf $(DEMO_DIR) saves/demo_tiny_qwen3moe
+	rm -rf $(DEMO_DIR) saves/demo_tiny_qwen3moe $(DEMO_VL_DIR) saves/demo_tiny_qwen3vl_moe

@@ -1,4 +1,4 @@
-"""The ``kt-ft`` command: make-demo-model, models, bench, rules (list / check / plan), convert, merge.
+"""The ``kt-ft`` command: make-demo-model, make-demo-vl-model, models, bench, rules (list / check / plan), convert, merge.
 
 Each subcommand imports what it needs when it runs (``# why: lazy CLI``): ``kt-ft --help``
 and a mistyped command answer without loading torch.
@@ -18,6 +18,17 @@ def _make_demo_model(args: argparse.Namespace) -> int:
 
     out = make_demo_model(args.dir, family=args.family, seed=args.seed, dtype=args.dtype)
     print(f"wrote {out}/model (tiny random {args.family}) and {out}/data (dataset_info.json, kt_demo.json)")
+    return 0
+
+
+def _make_demo_vl_model(args: argparse.Namespace) -> int:
+    from .demo_vl import make_demo_vl_model  # why: lazy CLI
+
+    out = make_demo_vl_model(args.dir, family=args.family, seed=args.seed, dtype=args.dtype)
+    print(
+        f"wrote {out}/model (tiny random {args.family} with its processor) and {out}/data "
+        "(dataset_info.json, kt_demo_vl.json, images/)"
+    )
     return 0
 
 
@@ -347,6 +358,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     demo.set_defaults(func=_make_demo_model)
+
+    demo_vl = sub.add_parser(
+        "make-demo-vl-model",
+        help="write a tiny random vision-language MoE model, its processor and an image dataset (offline)",
+    )
+    demo_vl.add_argument("dir", help="output directory (gets model/ and data/)")
+    demo_vl.add_argument(
+        "--family", default="qwen3_vl_moe", choices=["qwen3_vl_moe", "qwen3_5_moe"], help="model type"
+    )
+    demo_vl.add_argument("--seed", type=int, default=0)
+    demo_vl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    demo_vl.set_defaults(func=_make_demo_vl_model)
 
     models = sub.add_parser(
         "models",

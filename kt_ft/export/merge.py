@@ -5,7 +5,10 @@ alpha / sqrt(r) with rsLoRA), computed in fp32 and cast back to W's dtype. The b
 safetensors shards are streamed one at a time (one shard plus the adapter in RAM) and written
 under the same names, so its index file stays valid; config, tokenizer and other files are
 copied. Experts may be stored per expert (``{T}.{e}.gate_proj.weight`` [I, H], as hub
-checkpoints are) or fused (``{T}.gate_up_proj`` [E, 2I, H], ``{T}.down_proj`` [E, H, I]); for
+checkpoints are) or fused (``{T}.gate_up_proj`` [E, 2I, H], ``{T}.down_proj`` [E, H, I], or
+transposed, [E, H, 2I] / [E, I, H], as Qwen3-VL-MoE's hub checkpoints are: ``_fold``); ``T`` is
+the experts module's name in the trained model (``model.language_model.layers.L.mlp.experts`` for a
+vision-language model); for
 gpt_oss (the base's config.json says the family) fused in its own layout: ``{T}.gate_up_proj``
 [E, H, 2I] with gate/up interleaved (columns 0::2 gate, 1::2 up) and ``{T}.down_proj``
 [E, I, H], so the deltas are transposed and interleaved to match; its biases have no LoRA and
@@ -103,6 +106,22 @@ def _expert_deltas(adapter: KTAdapter, names: set[str], layout: str = "fused_sil
     return out
 
 
+def _fold(file: Path, key: str, weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``weight + delta`` in fp32, cast back to the weight's dtype. A fused expert tensor stored
+    transposed ([E, in, out]: the Qwen3-VL-MoE hub files' ``gate_up_proj`` [E, H, 2I] and
+    ``down_proj`` [E, I, H], which transformers transposes while loading) gets the delta transposed
+    the same way; where both orientations have the same shape the file is read as it is, as
+    transformers does."""
+    if weight.shape != delta.shape and weight.dim() == 3 and weight.shape == delta.transpose(1, 2).shape:
+        delta = delta.transpose(1, 2)
+    if weight.shape != delta.shape:
+        raise KTConfigError(
+            f"{file}: {key} has shape {tuple(weight.shape)}, the adapter's delta {tuple(delta.shape)} "
+            "(nor its transpose): the adapter was trained on another layout of this weight"
+        )
+    return (weight.float() + delta).to(weight.dtype)
+
+
 def _expert_layout(config: Path) -> str:
     """The expert layout of the base's family (config.json's model_type), default fused_silu."""
     model_type = json.loads(config.read_text()).get("model_type")
@@ -171,7 +190,7 @@ def merge_adapter(
             for key in f.keys():
                 t = f.get_tensor(key)
                 if key in deltas:
-                    t = (t.float() + deltas[key]()).to(t.dtype)
+                    t = _fold(base / shard, key, t, deltas[key]())
                 merged[key] = t
         with atomic_path(out / shard) as tmp:
             save_file(merged, str(tmp), metadata=metadata or {"format": "pt"})

@@ -33,6 +33,7 @@ from ..rules import load_rules
 from ..rules.report import TrainSizes, check_gpu_cap
 from ..rules.skeleton import meta_model
 from ..settings import log_changed
+from .multimodal import expert_lora_trainable
 
 logger = get_logger(__name__)
 
@@ -212,21 +213,25 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     )
     model._kt_ft_info = info
 
+    # A vision-language recipe that freezes the language model freezes its routed experts' LoRA too.
+    experts_trainable = is_trainable and expert_lora_trainable(model.config, finetuning_args)
     if src is not None:
         # LLaMA-Factory has already loaded (and, for inference, merged) PEFT's non-expert part.
-        load_kt_adapter_experts(model, src, info, trainable=is_trainable)
+        load_kt_adapter_experts(model, src, info, trainable=experts_trainable)
         logger.info(f"loaded expert LoRA from {src} (manifest, sizes and sha256 checked)")
 
-    if not is_trainable:
+    if not experts_trainable:
+        if is_trainable:
+            logger.info("freeze_language_model: the expert LoRA of the language model stays frozen")
         for m in model.modules():
             if hasattr(m, "runner"):
                 for p in m.lora_tensors():
                     p.requires_grad_(False)
-    else:
+    if is_trainable:
         setup_data_parallel(model)  # several processes: DDP setup and expert-LoRA grad averaging
 
     _hook_save_pretrained(model, info)
-    _hook_load_adapter(model, info)
+    _hook_load_adapter(model, info, experts_trainable)
     gpu_bytes = sum(
         p.numel() * p.element_size()
         for n, p in model.named_parameters()
@@ -299,11 +304,12 @@ def _hook_save_pretrained(model: Any, info: KTAdapterInfo) -> None:
     model.save_pretrained = save_pretrained
 
 
-def _hook_load_adapter(model: Any, info: KTAdapterInfo) -> None:
+def _hook_load_adapter(model: Any, info: KTAdapterInfo, experts_trainable: bool = True) -> None:
     """The HF Trainer resumes a PEFT model with ``model.load_adapter(checkpoint_dir, name,
     is_trainable=True)`` before it loads the optimizer state: check the checkpoint against its
     manifest first (fail closed), let PEFT load its part, then load the expert LoRA and keep it
-    trainable (PEFT only manages ``lora_`` params)."""
+    trainable (PEFT only manages ``lora_`` params) unless the run froze it (``experts_trainable``
+    False: a vision-language recipe with ``freeze_language_model``)."""
     original = getattr(model, "load_adapter", None)
     if original is None or getattr(original, "_kt_ft", False):
         return
@@ -313,7 +319,8 @@ def _hook_load_adapter(model: Any, info: KTAdapterInfo) -> None:
         is_trainable = kwargs.get("is_trainable", args[0] if args else False)
         verify_adapter_dir(model_id, info)
         result = original(model_id, adapter_name, *args, **kwargs)
-        load_kt_adapter_experts(model, model_id, info, trainable=bool(is_trainable), verify=False)
+        trainable = bool(is_trainable) and experts_trainable
+        load_kt_adapter_experts(model, model_id, info, trainable=trainable, verify=False)
         logger.info(f"resumed expert LoRA from {Path(model_id)} (manifest, sizes and sha256 checked)")
         return result
 

@@ -3,7 +3,9 @@
 * ``llamafactory.hparams.parser``: its ``ModelArguments`` gains kt-ft's keys (``KTArguments``
   overrides LLaMA-Factory's own ``use_kt``), the fork-only dependency check
   (transformers-kt, accelerate-kt) is skipped for kt-ft runs, and the data-parallel engine is
-  checked (DeepSpeed and FSDP1 refused, FSDP2 allowed: ``parallel``).
+  checked (DeepSpeed and FSDP1 refused, FSDP2 allowed: ``parallel``); a vision-language recipe's
+  bad input (images for a text-only model, a scope that freezes everything) is refused
+  (``multimodal``).
 * ``llamafactory.model.loader``: ``patch_config`` (run before any weight is read) also plans the
   placement on a meta skeleton, raising rule errors early, and with CUDA swaps LLaMA-Factory's
   ``device_map={"": cuda:N}`` for the plan's (routed experts -> "cpu"); ``init_adapter`` runs
@@ -16,7 +18,9 @@
   kt-ft is attached to the loaded model, its experts generate (no grad, KV cache, batches) like
   any module: the rest of ``run_sft`` sees ``use_kt: false`` (``kt_model_loaded``).
 
-With ``use_kt`` false or absent every patched function calls the original unchanged.
+With ``use_kt`` false or absent every patched function calls the original unchanged, with one
+exception that changes no run LLaMA-Factory accepts: a vision tower's patch-embedding Conv3d, which
+LLaMA-Factory refuses under torch 2.9.x, is computed as the equal matmul (``patch_embed``).
 """
 
 from __future__ import annotations
@@ -116,7 +120,13 @@ def patch_parser_module(parser: ModuleType) -> None:
 
     def _parse_train_args(args=None):
         check_raw_recipe(args)  # before HF's TrainingArguments sets DeepSpeed up
-        return original_parse_train(args)
+        parsed = original_parse_train(args)
+        model_args, data_args, _, finetuning_args, _ = parsed
+        if getattr(model_args, "use_kt", False):
+            from .multimodal import check_multimodal_recipe  # why: reads the model's config (transformers)
+
+            check_multimodal_recipe(model_args, data_args, finetuning_args)
+        return parsed
 
     parser._parse_train_args = _parse_train_args
     parser._kt_ft_patched = True
@@ -201,6 +211,11 @@ def patch_loader_module(loader: ModuleType) -> None:
 
             # right after from_pretrained, before LLaMA-Factory touches the parameters
             fill_read_experts(model, model_args)
+        from .patch_embed import avoid_conv3d_refusal  # why: as attach_kt above
+
+        # Vision towers: with or without use_kt, where LLaMA-Factory would otherwise refuse the
+        # model outright (Conv3d under torch 2.9.x), so no run it accepts is changed.
+        avoid_conv3d_refusal(model)
         return original_patch_model(model, tokenizer, model_args, *args, **kwargs)
 
     loader.init_adapter = init_adapter

@@ -47,7 +47,9 @@ OVERRIDES: dict[str, Override] = {
     "minimax": Override(template="minimax1"),
     "minimax_m2": Override(template="minimax2"),
     "qwen3_next": Override(template="qwen3_nothink"),
-    "qwen3_vl_moe": Override(template="qwen3_vl"),
+    "qwen3_vl_moe": Override(
+        template="qwen3_vl", builtin_rule="qwen3_vl_moe", recipe="qwen3_vl_30b_a3b.yaml"
+    ),
     "glm4v_moe": Override(template="glm4v"),
 }
 

@@ -12,7 +12,11 @@ Layouts found in checkpoints of the supported families (transformers 5.6's
   ``gate_up_proj[e, I:]`` up, ``down_proj[e]``;
 * per expert, Mixtral's ``w1`` (gate), ``w3`` (up), ``w2`` (down) under ``block_sparse_moe``;
 * already fused: ``{prefix}.{param}`` with the parameter's own shape (qwen3_5_moe, gpt_oss in
-  bf16 with its biases), copied as is.
+  bf16 with its biases), copied as is;
+* fused and transposed, ``{prefix}.gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H]: the
+  Qwen3-VL-MoE hub files (``TRANSPOSED_FUSED``), which transformers transposes while loading
+  (``Transpose(1, 2, check_dims=True)``: only where the shape is not already the parameter's, as
+  here); each expert goes through a one-expert buffer and is transposed into its slice.
 
 ``prefix`` is the module's dotted name, or Mixtral's ``block_sparse_moe`` in place of ``mlp``,
 or with ``model.language_model.`` in place of ``model.`` (a vision-language composite's text
@@ -32,6 +36,10 @@ import torch
 from torch import nn
 
 from ..rules.skeleton import _shards
+
+# model types whose checkpoints store fused experts transposed ([E, in, out]), as transformers 5.6's
+# conversion_mapping says for them
+TRANSPOSED_FUSED = frozenset({"qwen3_vl_moe"})
 
 # dtypes read by plain byte copy (or converted with copy_ when the load dtype differs)
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -61,6 +69,7 @@ class Piece:
     shape: tuple[int, ...]
     expert: int
     rows: tuple[int, int] | None  # [start, stop) of dim 1 of the target; None: the whole slice
+    transposed: bool = False  # ``shape`` is the target slice's transpose: copy it transposed
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class ParamSource:
     name: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
-    layout: str  # "per_expert" | "mixtral" | "fused": what was found, for the log
+    layout: str  # "per_expert" | "mixtral" | "fused" | "fused_transposed": what was found, for the log
 
     @property
     def nbytes(self) -> int:
@@ -121,15 +130,22 @@ def _usable(loc: TensorLoc | None, shape: tuple[int, ...]) -> bool:
     return loc is not None and loc.dtype is not None and loc.shape == shape
 
 
-def _fused(index, prefix, name, shape) -> ParamSource | None:
+def _fused(index, prefix, name, shape, transposed_ok: bool = False) -> ParamSource | None:
     loc = index.get(f"{prefix}.{name.rpartition('.')[2]}")
-    if not _usable(loc, shape):
+    transposed = (
+        transposed_ok
+        and len(shape) == 3
+        and not _usable(loc, shape)
+        and _usable(loc, (shape[0], shape[2], shape[1]))
+    )
+    if not (_usable(loc, shape) or transposed):
         return None
     step = loc.nbytes // shape[0]
     pieces = tuple(
-        Piece(loc.file, loc.offset + e * step, step, loc.dtype, shape[1:], e, None) for e in range(shape[0])
+        Piece(loc.file, loc.offset + e * step, step, loc.dtype, loc.shape[1:], e, None, transposed)
+        for e in range(shape[0])
     )
-    return ParamSource(name, shape, pieces, "fused")
+    return ParamSource(name, shape, pieces, "fused_transposed" if transposed else "fused")
 
 
 def _per_expert(index, prefix, name, shape, parts: list[str], layout: str) -> ParamSource | None:
@@ -153,10 +169,12 @@ _PER_EXPERT = {
 }
 
 
-def _module_sources(index, module_name: str, module: nn.Module) -> list[ParamSource] | None:
+def _module_sources(
+    index, module_name: str, module: nn.Module, transposed_ok: bool = False
+) -> list[ParamSource] | None:
     params = [(f"{module_name}.{n}", tuple(p.shape)) for n, p in module.named_parameters(recurse=False)]
     for prefix in _prefixes(module_name):
-        fused = [_fused(index, prefix, n, s) for n, s in params]
+        fused = [_fused(index, prefix, n, s, transposed_ok) for n, s in params]
         if all(fused):
             return fused  # type: ignore[return-value]
         for layout, parts in _PER_EXPERT.items():
@@ -177,9 +195,10 @@ def find_expert_sources(
     if reason:
         return [], reason
     sources: list[ParamSource] = []
+    transposed_ok = getattr(getattr(model, "config", None), "model_type", None) in TRANSPOSED_FUSED
     for module_name in expert_names:
         module = model.get_submodule(module_name)
-        found = _module_sources(index, module_name, module)
+        found = _module_sources(index, module_name, module, transposed_ok)
         if found is None:
             shapes = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
             near = sorted(k for k in index if any(k.startswith(f"{p}.") for p in _prefixes(module_name)))[:4]

@@ -55,7 +55,13 @@ def _read_into(fd: int, offset: int, buf: memoryview, file: Path) -> None:
 
 
 def _fill_piece(fd: int, piece: Piece, dst: torch.Tensor) -> None:
-    """``dst``: the target slice (contiguous, the piece's element count, the load dtype)."""
+    """``dst``: the target slice (contiguous, the piece's element count, the load dtype); a
+    transposed piece ([in, out] for a [out, in] slice) goes through a buffer and is transposed."""
+    if piece.transposed:
+        tmp = torch.empty(piece.shape, dtype=piece.dtype)
+        _read_into(fd, piece.offset, _bytes_of(tmp), piece.file)
+        dst.copy_(tmp.t())
+        return
     if piece.dtype == dst.dtype:
         _read_into(fd, piece.offset, _bytes_of(dst), piece.file)
     else:

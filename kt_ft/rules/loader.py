@@ -79,7 +79,7 @@ class Rule:
         return (self.cls,) if isinstance(self.cls, str) else self.cls
 
     def matches(self, module_name: str, module: Any) -> bool:
-        if self.name is not None and not self.name.search(module_name):
+        if self.name is not None and not any(self.name.search(n) for n in rule_names(module_name)):
             return False
         if self.layers is not None:
             layer = _layer_of(module_name)
@@ -129,6 +129,24 @@ class RuleSet:
     default_where: str
     includes: list[str] = field(default_factory=list)  # every file read, in include order
     default_at: str = ""  # "file:line: [i].default.device" (or the implicit default's source)
+
+
+# PEFT wraps the model (`base_model.model.` before every name); vision-language composites hold
+# the language model under `model.language_model.` where the text-only model has `model.`.
+_PEFT_PREFIX = "base_model.model."
+_VL_LANGUAGE_PREFIX = "model.language_model."
+
+
+def rule_names(module_name: str) -> tuple[str, ...]:
+    """The names a rule's ``name`` regex is searched in: the module's name without PEFT's prefix,
+    and, for a module of a vision-language model's language model, also the name the text-only
+    model gives it (``model.language_model.layers.3.mlp.experts`` -> ``model.layers.3.mlp.experts``),
+    so one rule (``'^model\\.layers\\.\\d+\\.mlp\\.experts$'``) places the same experts in both,
+    on the meta skeleton and inside PEFT alike."""
+    name = module_name.removeprefix(_PEFT_PREFIX)
+    if name.startswith(_VL_LANGUAGE_PREFIX):
+        return name, "model." + name.removeprefix(_VL_LANGUAGE_PREFIX)
+    return (name,)
 
 
 # kt_ft.models.layer_index's pattern, also at the end of the name: the decoder layer itself
