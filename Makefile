@@ -52,12 +52,12 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not lf_subprocess and not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 lint: install
-	$(BIN)/ruff check kt_ft tests hatch_build.py
-	$(BIN)/ruff format --check kt_ft tests hatch_build.py
+	$(BIN)/ruff check kt_ft tests scripts hatch_build.py
+	$(BIN)/ruff format --check kt_ft tests scripts hatch_build.py
 
 format: install
-	$(BIN)/ruff format kt_ft tests hatch_build.py
-	$(BIN)/ruff check --fix kt_ft tests hatch_build.py
+	$(BIN)/ruff format kt_ft tests scripts hatch_build.py
+	$(BIN)/ruff check --fix kt_ft tests scripts hatch_build.py
 
 clean-demo:
 	rm -rf $(DEMO_DIR) saves/demo_tiny_qwen3moe $(DEMO_VL_DIR) saves/demo_tiny_qwen3vl_moe

@@ -64,6 +64,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "kt_ft.core",
         "kt_ft.export",
         "kt_ft.demo",
+        "kt_ft.demo_vl",
     ),
     "integration": (
         "kt_ft.llamafactory",

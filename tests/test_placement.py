@@ -21,6 +21,7 @@ from kt_ft.placement.cost import (
     Rates,
     layer_times,
     link_passes,
+    lora_host_seconds,
     non_expert_flops,
     predict,
 )
@@ -209,11 +210,20 @@ def test_layers_with_gpu_experts_count_their_expert_lora_state():
     # 6, 7 layers' LoRA (25·B + 7·28,800 <= 32·B; 26 experts would not fit), layer 7 all on the CPU
     kw = dict(budget_bytes=ACT + 32 * B, allow_stream=False)
     assert choose_splits(layers(8), FAST, rank=1, tokens=T, **kw).splits == [LayerSplit((0, 1, 2, 3), ())] * 8
-    c = choose_splits(layers(8), FAST, rank=1, tokens=T, lora_state_bytes=16, **kw)
+    c = choose_splits(layers(8), FAST, rank=1, tokens=T, lora_state_bytes=16, lora_may_stay=False, **kw)
     assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 6 + [(0,), ()]
+    assert c.lora_on_gpu is True
     # streaming: streamed experts move the LoRA too; with no room for it beside the buffers the
     # planner keeps the experts on the CPU instead of overrunning the budget
-    tight = choose_splits(layers(2), FAST, rank=1, tokens=T, budget_bytes=ACT + 8 * B, lora_state_bytes=10**6)
+    tight = choose_splits(
+        layers(2),
+        FAST,
+        rank=1,
+        tokens=T,
+        budget_bytes=ACT + 8 * B,
+        lora_state_bytes=10**6,
+        lora_may_stay=False,
+    )
     assert tight.splits == [LayerSplit()] * 2
     # a re-plan: the LoRA stays where the run put it, counted whatever the split. All 8 layers'
     # LoRA on the GPU leaves 32·B - 8·28,800 for 24 resident experts; none there: all 32 fit
@@ -221,6 +231,42 @@ def test_layers_with_gpu_experts_count_their_expert_lora_state():
     assert sum(len(s.resident) for s in c.splits) == 24
     c = choose_splits(layers(8), FAST, rank=1, tokens=T, lora_state_bytes=16, lora_fixed=[False] * 8, **kw)
     assert c.splits == [LayerSplit((0, 1, 2, 3), ())] * 8
+    # ... and a CPU-homed LoRA keeps paying for its crossings (next test) in the prediction
+    assert c.lora_on_gpu is None
+    assert c.prediction.step_s == pytest.approx(
+        8 * lora_host_seconds(SHAPE, 1, FAST), rel=1e-3
+    )  # + GPU ~0.2 ms
+
+
+def test_expert_lora_stays_on_the_cpu_when_that_is_faster():
+    # Room for the 32 experts and 8 x 7,200 B: each layer's fp32 LoRA copy (1,800 values x 4 B), the
+    # GPU bytes of a LoRA left on the CPU. With its 28,800 B of GPU state (weights, grad, moments)
+    # instead, 27 experts fit (27·B + 7 layers' state <= 32·B + 57,600; 28 would not): 5 on the CPU,
+    # 25 s. Left on the CPU each layer pays 3 fp32 crossings of its LoRA (3·4·1,800 B / 60,000 B/s =
+    # 0.36 s) and a CPU AdamW (28·1,800 B at 10 GB/s, ~5 us): 8 x 0.36 s. Faster, so chosen, and said.
+    host = 3 * 4 * 1800 / 60_000 + 28 * 1800 / 10e9
+    assert lora_host_seconds(SHAPE, 1, FAST) == pytest.approx(host)
+    kw = dict(budget_bytes=ACT + 32 * B + 8 * 7200, allow_stream=False, lora_state_bytes=16)
+    c = choose_splits(layers(8), FAST, rank=1, tokens=T, **kw)
+    assert c.lora_on_gpu is False
+    assert c.splits == [LayerSplit((0, 1, 2, 3), ())] * 8
+    assert c.prediction.step_s == pytest.approx(8 * host, rel=1e-3)  # + the GPU's 8 x 20 pairs x ~1 us
+    assert [t.lora_s for t in c.prediction.layers] == pytest.approx([host] * 8)
+    assert any("stays on the CPU" in n for n in c.notes)
+    # one copy's bytes less: 31 experts fit with the LoRA left on the CPU, still the faster
+    c = choose_splits(layers(8), FAST, rank=1, tokens=T, **{**kw, "budget_bytes": ACT + 32 * B + 7 * 7200})
+    assert c.lora_on_gpu is False and sum(len(s.resident) for s in c.splits) == 31
+    # a 100x slower link: 36 s a layer to keep it there, more than the 25 s of CPU experts
+    slow = Rates(cpu_flops=60_000, link_bytes_s=600, gpu_flops=9e10)
+    c = choose_splits(layers(8), slow, rank=1, tokens=T, **kw)
+    assert c.lora_on_gpu is True
+    assert sum(len(s.resident) for s in c.splits) == 27
+    assert all(t.lora_s == 0 for t in c.prediction.layers)
+    # room for both: the LoRA goes with the experts (ties: the GPU)
+    big = choose_splits(
+        layers(8), FAST, rank=1, tokens=T, **{**kw, "budget_bytes": ACT + 32 * B + 8 * 28_800}
+    )
+    assert big.lora_on_gpu is True and big.splits == [LayerSplit((0, 1, 2, 3), ())] * 8
 
 
 def test_resident_layers_are_spread_through_the_depth(monkeypatch):
@@ -257,3 +303,14 @@ def test_resident_layers_are_spread_through_the_depth(monkeypatch):
     monkeypatch.setenv("KT_FT_SPREAD_RESIDENT", "1")
     c = choose_splits(layers(8), FAST, rank=0, tokens=T, budget_bytes=ACT + 8 * B, allow_stream=False)
     assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 2 + [()] * 6
+
+
+def test_lora_home_keeps_a_lora_the_planner_left_on_the_cpu():
+    import torch
+
+    from kt_ft.placement.homes import lora_home
+
+    gpu = torch.device("cuda:0")  # a device object only: no CUDA needed
+    assert lora_home(gpu, True) == gpu
+    assert lora_home(gpu, True, keep_on_cpu=True) is None
+    assert lora_home(gpu, False) is None and lora_home(torch.device("cpu"), True) is None

@@ -86,21 +86,33 @@ def test_auto_big_cap_all_resident(model_dir, tmp_path, capsys):
 
 def test_auto_planned_from_a_cpu_only_machine_counts_the_expert_lora_on_the_gpu(model_dir, tmp_path, capsys):
     """Planning a GPU run from a machine without CUDA (``--gpu-mem`` and ``--rates``): layers with
-    GPU experts keep their expert LoRA and AdamW state on the GPU in that run, so the planner
-    counts it, and the plan fits the cap it was made for. A cap with room for every expert's weights
-    but not for their layers' LoRA state as well: fewer resident experts, and the report fits."""
+    GPU experts keep their expert LoRA and AdamW state on the GPU in that run unless the planner
+    finds the step faster with it left on the CPU. A cap with room for every expert's weights but
+    not for their layers' LoRA state as well: with the LoRA on the GPU fewer experts fit; left on
+    the CPU (its crossings cost microseconds here, the CPU experts milliseconds) all do, the
+    prediction pays for the crossings, and the report fits the cap either way."""
     rule = tmp_path / "auto.yaml"
     rule.write_text(AUTO_RULE)
     _, plain = plan_json(capsys, "qwen3_moe", model_dir, "--cutoff-len", "64")
     act = 64 * 2 * (3 * 32 + 64) * 4  # the activation reserve: a whole layer's pairs on the GPU
-    cap = plain["devices"]["cuda:0"]["total_bytes"] + 16 * EXPERT_BYTES + act + 1024
+    params = 3 * 8 * 8 * (64 + 32)  # a layer's expert LoRA (rank 8)
+    # + the fp32 copies of both layers' LoRA that a LoRA left on the CPU puts on the GPU
+    cap = plain["devices"]["cuda:0"]["total_bytes"] + 16 * EXPERT_BYTES + act + 2 * 4 * params + 1024
     rc, r = plan_json(
         capsys, rule, model_dir, "--rates", "cpu_token_us=90,link_gbps=55,gpu_tflops=400",
         "--gpu-mem", f"{cap / 2**30:.12f}", "--cutoff-len", "64",
     )  # fmt: skip
-    on_gpu = sum(g["resident"] + g["streamed"] for g in r["placement"]["groups"])
-    assert 0 < on_gpu < 16, r["placement"]
+    p = r["placement"]
+    assert [(g["resident"], g["streamed"], g["cpu"]) for g in p["groups"]] == [(8, 0, 0)], p
+    assert any("stays on the CPU" in n for n in p["notes"]), p["notes"]
+    # 2 layers x (3 fp32 crossings of their LoRA at 55 GB/s + a CPU AdamW at 10 GB/s)
+    host = 2 * (3 * 4 * params / 55e9 + 28 * params / 10e9)
+    assert p["predicted"]["step_s"] == pytest.approx(host + p["predicted"]["gpu_busy_s"], rel=1e-6)
     assert rc == 0 and r["devices"]["cuda:0"]["total_bytes"] <= cap, r["devices"]["cuda:0"]
+    assert r["devices"]["cuda:0"]["lora_params"] == plain["devices"]["cuda:0"]["lora_params"]
+    assert r["devices"]["cuda:0"]["param_bytes"] == plain["devices"]["cuda:0"]["param_bytes"] + (
+        16 * EXPERT_BYTES + 2 * 4 * params
+    )
 
 
 def test_auto_without_gpu_rates_keeps_everything_on_the_cpu(model_dir, tmp_path, capsys):

@@ -188,7 +188,7 @@ def test_lora_on_the_device_trains_like_all_cpu(gpu_rule, tmp_path, monkeypatch,
     cpu_model = build(resolve_rule_path("qwen3_moe-torch"))  # LoRA on the CPU (the default)
     assert not any(m.lora_on_device for m in kt_layers(cpu_model))
     cpu = torch.device("cpu")  # the "device" (on a GPU machine too: the plan's device is CUDA there)
-    monkeypatch.setattr(patch_mod, "lora_home", lambda device, all_on_device: cpu)
+    monkeypatch.setattr(patch_mod, "lora_home", lambda device, all_on_device, **kw: cpu)
     dev_model = build(rule)
     layers = kt_layers(dev_model)
     assert all(m.lora_on_device for m in layers) and "lora_device=cpu" in repr(layers[0])
@@ -214,7 +214,7 @@ def test_lora_gradients_return_for_the_cpu_experts_rows_only(gpu_rule, monkeypat
     import kt_ft.moe.patch as patch_mod
     from kt_ft.moe.experts import _LoraToHost
 
-    monkeypatch.setattr(patch_mod, "lora_home", lambda device, all_on_device: torch.device("cpu"))
+    monkeypatch.setattr(patch_mod, "lora_home", lambda device, all_on_device, **kw: torch.device("cpu"))
     m = kt_layers(build(gpu_rule))[1]
     dev = m.device_experts
     assert m.lora_on_device and dev.cpu_follows

@@ -137,7 +137,9 @@ def replace_routed_experts(
             resident_ids=ids,
             stream_ids=stream_ids,
             scheduler=scheduler,
-            lora_device=lora_home(plan.default_device, bool(ids or stream_ids)),
+            lora_device=lora_home(
+                plan.default_device, bool(ids or stream_ids), keep_on_cpu=place.lora_on_gpu is False
+            ),
         )
         setattr(parent, child, kt)
         if overlap_shared:

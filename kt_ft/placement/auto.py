@@ -97,7 +97,9 @@ def predict_plan(
     splits = current_splits(model, plan, popularity)
     tokens = sizes.cutoff_len * sizes.batch
     flops = model_non_expert_flops(model, plan, sizes)
-    return predict(shapes, splits, rates, sizes.lora_rank, tokens, flops, pops)
+    # layers whose planner left their expert LoRA on the CPU beside GPU experts pay for it
+    lora_on_cpu = [e.lora_on_gpu is False for e in plan.experts]
+    return predict(shapes, splits, rates, sizes.lora_rank, tokens, flops, pops, lora_on_cpu=lora_on_cpu)
 
 
 def training_device_key(plan: PlacementPlan) -> str:
@@ -172,6 +174,8 @@ def plan_auto(
     for e, split in zip(autos, choice.splits, strict=True):
         e.gpu_experts = GpuExpertSpec(None, split.resident, None) if split.resident else None
         e.stream_experts = GpuExpertSpec(None, split.streamed, None) if split.streamed else None
+        if lora_on_gpu is None:  # the first plan decides where the LoRA lives; a re-plan keeps it
+            e.lora_on_gpu = False if choice.lora_on_gpu is False else None
     if cap_bytes is not None and expert_budget_bytes is None:
         choice.notes.insert(
             0,

@@ -48,6 +48,15 @@ starts, and as the run measured it once it has (``Rates.nonexpert_s``,
 tokens where the run measured 244-385 ms -- the non-expert work is bound by the host's per-kernel
 time, LoRA's small products and attention, not by the matmul rate.
 
+Where a layer's expert LoRA lives. With experts on the GPU its LoRA, gradient and AdamW moments
+live there too (16 bytes a parameter, counted against the budget: ``placement/homes.py``
+``lora_home``), unless the planner finds the step faster with them left on the CPU (a tight cap:
+Qwen3-30B-A3B's 24 layers hold 3.3 GiB of such state, which at 12 GiB would otherwise push most
+experts back onto the CPU). Then each such layer pays ``lora_host_seconds``: its fp32 LoRA
+crosses the link three times a micro-batch (forward, recompute, gradients back) and a CPU AdamW
+steps it (~28 bytes of host memory traffic a parameter at ``HOST_OPTIMIZER_BYTES_S``; charged every
+micro-batch, an upper bound under gradient accumulation).
+
 GPU memory of the experts: resident weights + 2 layers of stream buffers (double buffering,
 sized for the layer with the most streamed experts) + one layer's expert activations (the
 recomputed layer keeps gate, up, act and the input per GPU pair: (3·I + H)·4 bytes); the rest
@@ -58,10 +67,15 @@ estimate.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PASSES = 2  # times a streamed layer's weights cross the link per step (forward + recompute)
 STREAM_BUFFERS = 2  # layers of stream buffers on the GPU (one computing, one filling)
+# host memory rate of a CPU AdamW over fp32 expert LoRA (param, grad, two moments read, three
+# written: ~28 bytes a parameter); the GPU machine's Xeon stepped a Qwen3-30B-A3B layer's 8.7 M
+# parameters in tens of ms, ~10 GB/s
+HOST_OPTIMIZER_BYTES_S = 10e9
+LORA_CROSSINGS = 3  # a CPU-homed LoRA's fp32 copies over the link a micro-batch (module doc)
 
 
 def link_passes(stream_layers: int) -> float:
@@ -158,6 +172,7 @@ class LayerTimes:
     gpu_s: float
     gpu_fwd_s: float = 0.0
     nonexpert_s: float = 0.0
+    lora_s: float = 0.0  # a CPU-homed LoRA of a layer with GPU experts (``lora_host_seconds``)
 
     @property
     def seconds(self) -> float:
@@ -166,12 +181,22 @@ class LayerTimes:
         n_fwd = self.nonexpert_s * NONEXPERT_FORWARD_SHARE
         fwd = max(self.link_s / 2, self.gpu_fwd_s + n_fwd)
         bwd = max(self.link_s / 2, self.gpu_s - self.gpu_fwd_s + self.nonexpert_s - n_fwd)
-        return self.cpu_s + fwd + bwd
+        return self.cpu_s + self.lora_s + fwd + bwd
 
     @property
     def bottleneck(self) -> str:
         gpu = self.gpu_s + self.nonexpert_s
-        return max((self.cpu_s, "cpu"), (self.link_s, "link"), (gpu, "gpu"))[1]
+        return max((self.cpu_s + self.lora_s, "cpu"), (self.link_s, "link"), (gpu, "gpu"))[1]
+
+
+def lora_host_seconds(shape: LayerShape, rank: int, rates: Rates) -> float:
+    """Seconds a micro-batch that a layer with GPU experts pays for keeping its expert LoRA
+    (3·E·r·(H + I) fp32 parameters) on the CPU: ``LORA_CROSSINGS`` copies over the link and a
+    CPU AdamW step (module doc). 0 without a link rate."""
+    if not rates.link_bytes_s:
+        return 0.0
+    params = 3 * shape.num_experts * rank * (shape.hidden + shape.inter)
+    return LORA_CROSSINGS * 4 * params / rates.link_bytes_s + 28 * params / HOST_OPTIMIZER_BYTES_S
 
 
 def pairs_per_expert(shape: LayerShape, popularity: Sequence[float] | None, tokens: int) -> list[float]:
@@ -345,9 +370,12 @@ def predict(
     nonexpert_flops: float = 0.0,
     popularity: Sequence[Sequence[float] | None] | None = None,
     stream_layers: int | None = None,
+    lora_on_cpu: Sequence[bool] | None = None,
 ) -> Prediction:
     """Per-layer times, step time and expert GPU memory of ``splits`` (one per MoE layer).
-    ``stream_layers``: layers streaming in the run (``link_passes``; None: those of ``splits``)."""
+    ``stream_layers``: layers streaming in the run (``link_passes``; None: those of ``splits``).
+    ``lora_on_cpu``: per layer, whether its expert LoRA stays on the CPU although some of its
+    experts are on the GPU (``lora_host_seconds``); None: no layer's does."""
     if len(shapes) != len(splits):
         raise ValueError(f"{len(shapes)} layer shapes but {len(splits)} splits")
     pops = popularity or [None] * len(shapes)
@@ -359,5 +387,10 @@ def predict(
     times = [
         layer_times(sh, s, rates, rank, tokens, p, passes, share) for sh, s, p in zip(shapes, splits, pops)
     ]
+    if lora_on_cpu is not None:
+        times = [
+            replace(t, lora_s=lora_host_seconds(sh, rank, rates)) if off and (s.resident or s.streamed) else t
+            for t, sh, s, off in zip(times, shapes, splits, lora_on_cpu, strict=True)
+        ]
     res, buf, act = expert_gpu_bytes(shapes, splits, tokens, popularity)
     return Prediction(times, nonexpert_s, res, buf, act)

@@ -59,7 +59,9 @@ def pick_stream_ids(
     return tuple(sorted(rest[:count]))
 
 
-def lora_home(training_device: torch.device, on_device: bool) -> torch.device | None:
+def lora_home(
+    training_device: torch.device, on_device: bool, *, keep_on_cpu: bool = False
+) -> torch.device | None:
     """Where a layer's expert LoRA lives (None: the CPU). The training GPU when some expert of the
     layer is resident or streamed (``on_device``) and this is a single process: the optimizer then
     steps it on the GPU, and only the CPU op's share crosses the link (a pinned host mirror of the
@@ -68,8 +70,10 @@ def lora_home(training_device: torch.device, on_device: bool) -> torch.device | 
     be stepped by a CPU AdamW (tens of ms a layer on the GPU machine). Cost: the LoRA, its gradient
     and AdamW moments on the GPU (16 bytes a parameter: ~138 MB for that layer), which the planner
     and ``rules plan`` count. All-CPU layers and several processes (expert-LoRA gradients averaged
-    over gloo, ``distributed.py``) keep it on the CPU."""
-    if not on_device or training_device.type != "cuda":
+    over gloo, ``distributed.py``) keep it on the CPU, and so do the layers of a plan whose
+    planner found the step faster with it there (``keep_on_cpu``: a tight ``kt_gpu_memory``,
+    ``placement/planner.py`` ``choose_splits``)."""
+    if not on_device or keep_on_cpu or training_device.type != "cuda":
         return None
     if topology().distributed or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None

@@ -41,6 +41,7 @@ from .cost import (
     Prediction,
     Rates,
     link_passes,
+    lora_host_seconds,
     nonexpert_seconds,
     pairs_per_expert,
     predict,
@@ -50,6 +51,9 @@ from .cost import (
 # predicted steps closer than this (relative) count as equal, and the smaller stream buffers win:
 # the model is not that precise, and a split that saves 0.1% of a step is not worth the memory
 _REL_TIE = 1e-3
+# GPU bytes per expert-LoRA parameter of a layer with GPU experts whose LoRA stays on the CPU: the
+# fp32 copy of the rows its forward takes there, kept until the layer's backward
+LORA_COPY_BYTES = 4
 
 
 @dataclass
@@ -70,6 +74,10 @@ class Choice:
     prediction: Prediction
     budget_bytes: int | None
     notes: list[str]
+    # whether the expert LoRA of the layers with GPU experts moves to the GPU (False: it stays on
+    # the CPU, the layers paying ``cost.lora_host_seconds``); None: not the planner's to say
+    # (no LoRA state counted, or a re-plan, where the LoRA stays where it is)
+    lora_on_gpu: bool | None = None
 
 
 def _ranked(inp: PlannerInput, tokens: int) -> tuple[list[int], list[float]]:
@@ -164,6 +172,7 @@ def choose_splits(
     layer_scale: float = 1.0,
     lora_state_bytes: int = 0,
     lora_fixed: Sequence[bool] | None = None,
+    lora_may_stay: bool = True,
 ) -> Choice:
     """The split per layer minimising the predicted step time.
 
@@ -178,19 +187,28 @@ def choose_splits(
     CPU); such layers' LoRA counts against the budget (scaled like resident weights), taking
     resident experts back until it fits. ``lora_fixed`` (a re-plan: the LoRA does not move once
     the run started): per input, whether its LoRA is on the GPU, counted whatever the split.
+    ``lora_may_stay``: with ``lora_state_bytes`` and no ``lora_fixed``, also search the splits with
+    that LoRA left on the CPU (each such layer paying ``cost.lora_host_seconds``) and keep the
+    faster (``Choice.lora_on_gpu``; ties: on the GPU).
     """
     notes: list[str] = []
     pops = [i.popularity for i in inputs]
     shapes = [i.shape for i in inputs]
     all_cpu = [LayerSplit() for _ in inputs]
 
-    def done(splits):
+    def done(splits, lora_on_gpu=None):
+        off = None
+        if lora_fixed is not None:
+            off = [not f for f in lora_fixed] if lora_state_bytes else None
+        elif lora_on_gpu is False:
+            off = [True] * len(inputs)
         return Choice(
             [i.layer for i in inputs],
             splits,
-            predict(shapes, splits, rates, rank, tokens, nonexpert_flops, pops),
+            predict(shapes, splits, rates, rank, tokens, nonexpert_flops, pops, lora_on_cpu=off),
             budget_bytes,
             notes,
+            lora_on_gpu,
         )
 
     if not inputs:
@@ -228,47 +246,76 @@ def choose_splits(
     search = _StreamSearch(rates, rank, tokens, link_passes(round(len(inputs) * layer_scale)), share)
     classes: dict[tuple, int] = {}
     keys = [classes.setdefault((sh, tuple(pre)), len(classes)) for sh, pre in zip(shapes, prefixes)]
-    lora_bytes = [
-        round(3 * sh.num_experts * rank * (sh.hidden + sh.inter) * lora_state_bytes * layer_scale)
-        for sh in shapes
-    ]
 
-    def evaluate(n_res: int, cap_s: int) -> tuple[float, list[LayerSplit], int]:
-        """(predicted seconds, splits, GPU bytes of moved LoRA) with the first ``n_res`` experts of
-        the global order resident and at most ``cap_s`` streamed per layer."""
-        step, splits, moved = 0.0, [], 0
-        for i, inp in enumerate(inputs):
-            r = bisect.bisect_left(positions[i], n_res)
-            s_max = min(cap_s, inp.shape.num_experts - r)
-            s, t = search.best(keys[i], inp.shape, prefixes[i], r, s_max)
-            splits.append(_split(ranked[i][0], r, s))
-            step += t
-            if r + s if lora_fixed is None else lora_fixed[i]:
-                moved += lora_bytes[i]
-        return step, splits, moved
+    def search_splits(state_bytes: int, host_s: list[float]) -> tuple[float, int, list[LayerSplit]] | None:
+        """The best (seconds, stream buffer size, splits) with ``state_bytes`` of GPU memory per
+        expert-LoRA parameter of a layer with GPU experts, each such layer taking ``host_s[i]``
+        more seconds; None: nothing fits."""
+        lora_bytes = [
+            round(3 * sh.num_experts * rank * (sh.hidden + sh.inter) * state_bytes * layer_scale)
+            for sh in shapes
+        ]
 
-    best: tuple[float, int, list[LayerSplit]] | None = None
-    for cap_s in range(max_e + 1) if allow_stream else [0]:
-        left = budget_bytes - act - STREAM_BUFFERS * cap_s * max_b
-        if left < 0:
-            break  # larger buffers fit even less
-        n_res = bisect.bisect_right(cum, left) - 1  # resident experts that fit, in the global order
-        step, splits, moved = evaluate(n_res, cap_s)
-        if cum[n_res] + moved > left:
-            # the LoRA of the layers with GPU experts does not fit beside them: the most resident
-            # experts that fit with it (binary search; moved LoRA grows with the resident count)
-            lo, hi = 0, n_res - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if cum[mid] + evaluate(mid, cap_s)[2] <= left:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            step, splits, moved = evaluate(lo, cap_s)
-            if cum[lo] + moved > left:
-                continue  # even with no resident expert: this stream size leaves no room
-        if best is None or step < best[0] * (1 - _REL_TIE):
-            best = (step, cap_s, splits)
+        def evaluate(n_res: int, cap_s: int) -> tuple[float, list[LayerSplit], int]:
+            """(predicted seconds, splits, GPU bytes of moved LoRA) with the first ``n_res`` experts of
+            the global order resident and at most ``cap_s`` streamed per layer."""
+            step, splits, moved = 0.0, [], 0
+            for i, inp in enumerate(inputs):
+                r = bisect.bisect_left(positions[i], n_res)
+                s_max = min(cap_s, inp.shape.num_experts - r)
+                s, t = search.best(keys[i], inp.shape, prefixes[i], r, s_max)
+                splits.append(_split(ranked[i][0], r, s))
+                step += t + (host_s[i] if r + s else 0.0)
+                if r + s if lora_fixed is None else lora_fixed[i]:
+                    moved += lora_bytes[i]
+            return step, splits, moved
+
+        best: tuple[float, int, list[LayerSplit]] | None = None
+        for cap_s in range(max_e + 1) if allow_stream else [0]:
+            left = budget_bytes - act - STREAM_BUFFERS * cap_s * max_b
+            if left < 0:
+                break  # larger buffers fit even less
+            n_res = bisect.bisect_right(cum, left) - 1  # resident experts that fit, in the global order
+            step, splits, moved = evaluate(n_res, cap_s)
+            if cum[n_res] + moved > left:
+                # the LoRA of the layers with GPU experts does not fit beside them: the most resident
+                # experts that fit with it (binary search; moved LoRA grows with the resident count)
+                lo, hi = 0, n_res - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if cum[mid] + evaluate(mid, cap_s)[2] <= left:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                step, splits, moved = evaluate(lo, cap_s)
+                if cum[lo] + moved > left:
+                    continue  # even with no resident expert: this stream size leaves no room
+            if best is None or step < best[0] * (1 - _REL_TIE):
+                best = (step, cap_s, splits)
+        return best
+
+    zero = [0.0] * len(inputs)
+    if lora_fixed is not None:  # a re-plan: CPU-homed LoRA stays so, and pays for it
+        host = zero
+        if lora_state_bytes:  # (several processes keep every layer's on the CPU: not modelled)
+            host = [0.0 if f else lora_host_seconds(sh, rank, rates) for f, sh in zip(lora_fixed, shapes)]
+        best, lora_on_gpu = search_splits(lora_state_bytes, host), None
+    else:
+        best, lora_on_gpu = search_splits(lora_state_bytes, zero), (True if lora_state_bytes else None)
+        if lora_state_bytes and lora_may_stay:
+            host = [lora_host_seconds(sh, rank, rates) for sh in shapes]
+            # what stays on the GPU: the forward's fp32 copy of the LoRA rows, until the backward
+            stay = search_splits(LORA_COPY_BYTES, host)
+            if stay is not None and (best is None or stay[0] < best[0] * (1 - _REL_TIE)):
+                moved = sum(3 * sh.num_experts * rank * (sh.hidden + sh.inter) for sh in shapes)
+                notes.append(
+                    f"the expert LoRA of the layers with GPU experts stays on the CPU: predicted "
+                    f"{stay[0] * 1e3:.0f} ms a micro-batch against "
+                    + (f"{best[0] * 1e3:.0f} ms" if best is not None else "no split that fits")
+                    + f" with its {moved * lora_state_bytes * layer_scale / 2**30:.2f} GiB of LoRA and AdamW "
+                    "state on the GPU"
+                )
+                best, lora_on_gpu = stay, False
     if best is None:
         notes.append(
             f"the routed experts' GPU budget ({budget_bytes / 2**30:.2f} GiB) is below one layer's expert "
@@ -281,4 +328,4 @@ def choose_splits(
     if any(s.streamed for s in splits) and enabled("KT_FT_SPREAD_RESIDENT"):
         fixed = lora_fixed if lora_fixed is not None else [None] * len(inputs)
         splits = _spread(splits, list(zip(keys, fixed)), ranked)
-    return done(splits)
+    return done(splits, lora_on_gpu)

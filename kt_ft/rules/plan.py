@@ -41,6 +41,9 @@ class ExpertPlacement:
     # (``moe/streamed.py``); ids and count None: every expert not resident (``stream: all``)
     stream_experts: GpuExpertSpec | None = None
     placement: str = "manual"  # "auto": kt_ft/placement fills gpu_experts / stream_experts at start
+    # False: this layer's expert LoRA stays on the CPU even with experts on the GPU (the planner's
+    # choice under a tight cap, ``placement/homes.py`` ``lora_home``); None: where lora_home puts it
+    lora_on_gpu: bool | None = None
 
 
 @dataclass

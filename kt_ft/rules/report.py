@@ -218,8 +218,16 @@ def estimate(
         n = 3 * num * sizes.lora_rank * (hidden + inter)
         lora["expert_params"] += n
         # experts of the layer on the GPU: its LoRA (and optimizer state) lives there too
-        home = lora_home(torch.device(train_dev), on_gpu + streamed > 0) if train_dev != "cpu" else None
+        home = None
+        if train_dev != "cpu":
+            home = lora_home(
+                torch.device(train_dev), on_gpu + streamed > 0, keep_on_cpu=e.lora_on_gpu is False
+            )
         dev(train_dev if home is not None else "cpu")["lora_params"] += n
+        if home is None and on_gpu + streamed and train_dev != "cpu":
+            # LoRA kept on the CPU beside GPU experts: the forward's fp32 copy of those experts'
+            # rows stays on the GPU until the layer's backward (``device_experts.py`` ``lora_on``)
+            dev(train_dev)["param_bytes"] += n * min(on_gpu + streamed, num) // num * 4
     for name, m in model.named_modules():
         if "Linear" not in type(m).__name__ or "Embedding" in type(m).__name__ or "lm_head" in name:
             continue
