@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .checkpoint.fused import kt_expert_modules
+from .kernels.base import lora_changed
 from .log import get_logger
 from .moe.experts import KTExperts
 from .processes import gloo_group, topology
@@ -153,6 +154,7 @@ def setup_data_parallel(model: nn.Module) -> ExpertGradSync | None:
             dist.broadcast(p.data, src=0, group=group)
     for m in kt_expert_modules(model):
         m.runner.backend.lora_updated()
+    lora_changed()
     sync = ExpertGradSync(params, group)
     model._kt_ft_grad_sync = sync
     logger.info(

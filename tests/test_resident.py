@@ -70,8 +70,12 @@ def adamw(model):
     near-zero gradient entry (two summation orders, or another CPU's thread count) into an update
     difference of up to lr; an eps above such entries damps them, while entries with real gradients
     (1e-3 and up) still take AdamW-sized steps. The 16-thread GPU machine's CPU went past the 1e-4
-    bound with the default eps."""
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3)
+    bound with the default eps. Fused: transformers' default optimizer (``adamw_torch_fused``), which
+    updates the parameters without bumping their version counters -- a cache of the LoRA keyed on
+    them alone (a bf16 cast, a device copy, a host mirror) went stale after step 1 and these tests,
+    then on the per-tensor AdamW, did not see it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3, fused=True)
 
 
 def train(model, batches, steps, gc, device="cpu"):

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from ..errors import KTConfigError
-from ..kernels.base import LORA_NAMES
+from ..kernels.base import LORA_NAMES, lora_changed
 from ..moe.experts import KTExperts
 from .atomic import atomic_path
 
@@ -115,4 +115,5 @@ def load_fused_expert_lora(model, directory: str | os.PathLike) -> int:
             for name in LORA_NAMES:
                 getattr(m, name).copy_(tensors[fused_key(m.layer_idx, name)])
             m.runner.backend.lora_updated()
+    lora_changed()  # every cached form of the LoRA (``kernels/base.py`` ``lora_key``)
     return len(modules)

@@ -39,6 +39,38 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Caches of the expert LoRA in another form (a bf16 cast, a device copy, a host mirror, kt-kernel's
+# copy) are keyed on ``lora_key``: the tensors' storages and version counters, and a generation
+# that every optimizer step advances. Why not the version counters alone: torch's fused AdamW
+# (``fused=True``; transformers' default optimizer ``adamw_torch_fused``) updates parameters in
+# place without bumping them, so a version-keyed cache kept step 1's LoRA for the whole run.
+_lora_generation = 0
+_step_hook = None
+
+
+def lora_changed() -> None:
+    """Mark every cached form of the expert LoRA stale (kt-ft's loaders call it after writing the
+    parameters; optimizer steps do through ``watch_optimizer_steps``)."""
+    global _lora_generation
+    _lora_generation += 1
+
+
+def watch_optimizer_steps() -> None:
+    """Register (once per process) a global post-step hook on every torch optimizer that calls
+    ``lora_changed``."""
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook  # why: a submodule
+
+        _step_hook = register_optimizer_step_post_hook(lambda *_: lora_changed())
+
+
+def lora_key(params) -> tuple:
+    """The identity of ``params``' current values for a cache: the generation, and each tensor's
+    storage and version counter (in-place changes outside an optimizer step)."""
+    return (_lora_generation, *((p.data_ptr(), p._version) for p in params))
+
+
 class LoraTensors(NamedTuple):
     """The six expert-LoRA tensors, each stacked over experts on dim 0 (see module doc for shapes)."""
 

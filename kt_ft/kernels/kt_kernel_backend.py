@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import KTConfigError
-from .base import ExpertBackend, ExpertWeights, LoraTensors
+from .base import ExpertBackend, ExpertWeights, LoraTensors, lora_key
 
 BF16 = torch.bfloat16
 _LAYER_IDS = itertools.count()
@@ -130,7 +130,7 @@ class KTKernelBackend(ExpertBackend):
 
     @staticmethod
     def _lora_state(lora: LoraTensors) -> tuple:
-        return tuple((t.data_ptr(), t._version) for t in lora)
+        return lora_key(lora)
 
     def _sync_lora(self, lora: LoraTensors) -> None:
         state = self._lora_state(lora)

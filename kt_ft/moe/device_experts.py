@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype
+from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype, lora_key
 from ..kernels.grouped_device import FusedGroupedExperts, Groups, grouped_expert_forward, stack_lora
 from .function import prefetch_grad_out
 from .inner_graph import inner_grads, take_inner
@@ -167,7 +167,7 @@ class DeviceExperts:
         # the LoRA's identity for the cast cache (``_lora_cast``): the parameters and their version
         # counters, which the optimizer's in-place steps advance (not the rows taken above: fresh
         # tensors each call, whose addresses and versions can repeat with other values)
-        key = tuple((id(p), p._version) for p in lora)
+        key = (*lora_key(lora), *(id(p) for p in lora))
         if not self.cpu_follows and self.streamed is None:
             # every expert of the layer resident: no CPU op to order the work around, so the share
             # goes on the model's graph as it is (a graph of its own and the nested backward that
@@ -193,7 +193,7 @@ class DeviceExperts:
         ([len(ids), ...]): copied at the forward and reused by the recompute of a checkpointed layer
         while the parameters are unchanged (their version counters and storages: the optimizer
         updates them in place between steps)."""
-        key = (device, *((p._version, p.data_ptr()) for p in params))
+        key = (device, *lora_key(params))
         if self._lora_dev is None or self._lora_key != key:
             rows = params if self._all else [p.index_select(0, self._ids_cpu) for p in params]
             self._lora_dev = [t.detach().to(device, copy=True) for t in rows]

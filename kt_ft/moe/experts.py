@@ -33,6 +33,8 @@ from ..kernels.base import (
     ExpertWeights,
     LoraTensors,
     accum_dtype,
+    lora_key,
+    watch_optimizer_steps,
 )
 from ..lora.fused import init_expert_lora
 from ..quant.weights import is_quantized
@@ -80,6 +82,7 @@ class KTExperts(nn.Module):
         for a layer with resident or streamed experts (``placement/homes.py`` ``lora_home`` says why),
         the CPU op then reading a host mirror (``host_lora``)."""
         super().__init__()
+        watch_optimizer_steps()  # the LoRA caches' keys (``kernels/base.py`` ``lora_key``)
         names = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
         for name in names:  # HF's frozen parameters, kept under their names (biases: gpt_oss only)
             p = getattr(hf_experts, name, None)
@@ -247,7 +250,7 @@ class KTExperts(nn.Module):
         """The six device-resident LoRA ``params`` on the CPU for the CPU op: one persistent mirror,
         refreshed in place (so backends that key caches on storage and version see the change) when
         the parameters changed, reused by a checkpointed recompute."""
-        key = tuple((p._version, p.data_ptr()) for p in params)
+        key = lora_key(params)
         if self._host_lora is None:  # pinned: the copy from the GPU runs at the link's full rate
             pin = params[0].device.type == "cuda"
             self._host_lora = [torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params]
