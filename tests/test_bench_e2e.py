@@ -87,9 +87,30 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
         assert r["rc"] == 0 and r["steps_logged"] == 2, r
         assert r["tokens_per_step"] == 64  # every example is longer than cutoff_len
         assert r["tok_s"] > 0 and len(r["step_s"]) == 1 and r["host_peak_bytes"] > 0
+        assert len(r["losses"]) == 2 and r["losses"][0] == r["first_loss"]
     a, b = records["kt-cpu:torch"]["first_loss"], records["peft"]["first_loss"]
     assert abs(a - b) <= 1e-4 * abs(b), (a, b)
     for name in ("peft", "kt-cpu-torch"):  # the profiled step's tables
         assert "## by self CPU time" in (tmp_path / "prof" / name / "step1.txt").read_text()
     # the recipe of each run stays beside its log, to rerun by hand
     assert (tmp_path / "work" / "runs" / "kt-cpu-torch" / "recipe.yaml").is_file()
+
+
+def test_loss_agreement_compares_the_kt_ft_systems_step_by_step():
+    """Against the first kt-ft system with losses; peft (another adapter) and failed runs left out."""
+    from kt_ft.bench.e2e import E2ERecord, loss_agreement
+
+    def rec(system, losses):
+        return E2ERecord(system=system, preset="tiny", layers=2, rc=0, seconds=1.0, losses=losses)
+
+    records = [
+        rec("peft", [9.0, 1.0]),
+        rec("kt-auto", [5.0, 4.0, 3.0]),
+        rec("kt-auto@24", [5.0, 4.004, 3.0]),
+        rec("kt-cpu:torch", []),
+        rec("kt-stream", [5.0, 4.0]),
+    ]
+    ref, worst, steps = loss_agreement(records)
+    assert ref == "kt-auto" and steps == 3
+    assert worst == pytest.approx(0.004 / 4.0)
+    assert loss_agreement(records[:2]) is None

@@ -335,6 +335,7 @@ class E2ERecord:
     tok_s_last_half: float | None = None
     step_s: list[float] = field(default_factory=list)  # per optimizer step after the first
     first_loss: float | None = None
+    losses: list[float] = field(default_factory=list)  # each logged step's (LF's trainer_log.jsonl)
     gpu_peak_bytes: int | None = None
     host_peak_bytes: int = 0
     host_rise_bytes: int = 0
@@ -440,6 +441,7 @@ def run_system(
         tok_s_last_half=last_half_rate(rows, skip),
         step_s=steps,
         first_loss=rows[0].get("loss") if rows else None,
+        losses=[r["loss"] for r in rows],
         gpu_peak_bytes=mon.gpu_peak,
         host_peak_bytes=mon.host_peak,
         host_rise_bytes=max(0, mon.host_peak - idle),
@@ -571,6 +573,26 @@ def write_json(path: str, records: list[E2ERecord], cutoff_len: int, grad_accum:
     Path(path).write_text(json.dumps({"meta": meta, "records": rows}, indent=1))
 
 
+def loss_agreement(records: list[E2ERecord]) -> tuple[str, float, int] | None:
+    """(reference system, largest relative loss difference, steps compared) of the kt-ft systems'
+    losses step by step against the first kt-ft system that logged any; None: fewer than two.
+
+    Every kt-ft placement trains the same adapter from the same initialisation, so past the first
+    step too their losses differ only by the placements' arithmetic (bf16 on the GPU, the CPU op's
+    order of summation), amplified a little by the optimizer; a cache that kept an old LoRA, or a
+    placement that trains something else, shows here as a difference that grows with the steps."""
+    kt = [r for r in records if r.system.startswith("kt-") and r.system != "kt-peer" and r.losses]
+    if len(kt) < 2:
+        return None
+    ref, worst, steps = kt[0], 0.0, 0
+    for r in kt[1:]:
+        n = min(len(r.losses), len(ref.losses))
+        steps = max(steps, n)
+        for a, b in zip(r.losses[:n], ref.losses[:n]):
+            worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
+    return ref.system, worst, steps
+
+
 def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> None:
     if not records:
         return
@@ -601,4 +623,11 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
             f"{r.system:<20}{tok:>9}{xs:>8}{half:>10}{gpu:>10}{xg:>8}{r.host_peak_bytes / GIB:>10.1f}G"
             f"{r.host_rise_bytes / GIB:>10.1f}G{meas:>10}{pred:>11}{loss:>9}"
             + (f"  {r.note}" if r.note else "")
+        )
+    agree = loss_agreement(records)
+    if agree is not None:
+        ref, worst, steps = agree
+        print(
+            f"kt-ft systems' losses over {steps} logged steps: at most {worst:.2e} relative from {ref}'s "
+            "(the same adapter from the same start: placement arithmetic only)"
         )
