@@ -12,6 +12,7 @@ A plain training loop, or the HF Trainer, with kt-ft::
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(...))
     run = kt_ft.apply(model, kt_ft.KTConfig(rank=8, alpha=16, cutoff_len=2048))
     ...  # train; after each optimizer step: run.step(global_step)
+    # or: Trainer(model=model, ..., callbacks=[run.trainer_callback()]).train()
 
 The expert LoRA parameters are ordinary ``nn.Parameter``s of the model (``run.expert_lora()``),
 so any optimizer that takes ``model.parameters()`` trains them.
@@ -91,6 +92,19 @@ class KTRun:
         """Call after each optimizer step: ``placement: auto`` calibrates and re-plans here;
         returns True when the split changed."""
         return self.replanner.step(global_step) if self.replanner is not None else False
+
+    def trainer_callback(self):
+        """A ``transformers.TrainerCallback`` that calls ``step`` after each optimizer step of an HF
+        ``Trainer`` (``Trainer(..., callbacks=[run.trainer_callback()])``)."""
+        from transformers import TrainerCallback  # why: only an HF Trainer run needs it
+
+        run = self
+
+        class KTRunCallback(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                run.step(state.global_step)
+
+        return KTRunCallback()
 
     def expert_lora(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of every expert-LoRA tensor the run added."""

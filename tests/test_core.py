@@ -55,6 +55,60 @@ def test_apply_on_a_plain_peft_model_trains_like_the_reference():
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
 
 
+def test_apply_under_the_hf_trainer_trains_like_the_reference(tmp_path):
+    """The README's second route: ``kt_ft.apply`` then an HF ``Trainer`` as shipped (its default
+    optimizer, fused AdamW, which leaves version counters alone; no LLaMA-Factory). kt-ft's experts
+    train like the plain-loop experts under the same Trainer, seed and batches: losses rel 1e-5,
+    expert LoRA 1e-4 abs (test_parity.py's bounds); the run's callback is called each step."""
+    from transformers import Trainer, TrainingArguments
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, 97, (8, 12))]
+    model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules=ATTN, lora_dropout=0.0))
+    ref = copy.deepcopy(model)
+    run = kt_ft.apply(model, kt_ft.KTConfig(rule="qwen3_moe-torch", rank=4, alpha=8, threads=1, seed=1))
+    with torch.no_grad():  # non-zero B: the expert-LoRA path counts from the first step
+        for n, p in run.expert_lora():
+            if n.endswith("_b"):
+                p.normal_(0, 0.05)
+    for name, m in model.named_modules():
+        if hasattr(m, "runner"):
+            parent_name, _, child = name.rpartition(".")
+            parent = ref.get_submodule(parent_name)
+            copies = {n: getattr(m, n).detach() for n in LORA_NAMES}
+            plain = PlainLoRAExperts(unwrap_peft(getattr(parent, child)), copies, m.scaling, m.spec)
+            setattr(parent, child, plain)
+    steps = []
+
+    class Count(kt_ft.core.KTRun):  # counts the callback's calls through the run's own step
+        def step(self, global_step):
+            steps.append(global_step)
+            return super().step(global_step)
+
+    counted = Count(run.model, run.plan, run.summary, run.rule_path, run.auto, run.replanner)
+
+    def fit(m, callbacks, out):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / out), per_device_train_batch_size=2, max_steps=4, learning_rate=1e-2,
+            logging_steps=1, report_to=[], use_cpu=True, seed=seed, save_strategy="no", lr_scheduler_type="constant",
+        )  # fmt: skip
+        trainer = Trainer(model=m, args=args, train_dataset=rows, callbacks=callbacks)
+        assert args.optim == "adamw_torch_fused"
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    got = fit(model, [counted.trainer_callback()], "kt")
+    want = fit(ref, [], "ref")
+    assert steps == [1, 2, 3, 4]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+    a, b = expert_lora(model), expert_lora(ref)
+    assert a.keys() == b.keys() and a
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
+
+
 def test_apply_names_a_missing_rule():
     model = tiny_model()
     with pytest.raises(KTConfigError, match="kt_optimize_rule='no_such_rule': no such file or built-in rule"):
