@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..log import get_logger
+from ..quant.weights import rebuild_quantized
 from ..settings import enabled
 from .activation import gated_act, gated_act_backward
 from .base import ExpertWeights, LoraTensors, accum_dtype
@@ -238,10 +239,17 @@ class FusedGroupedExperts(torch.autograd.Function):
         ws = w.reshape(-1).index_select(0, pairs).to(acc)  # [N]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
         out.index_add_(0, tok, d.to(acc) * ws[:, None])
-        # quantized weights are no tensors autograd can save: kept on ctx (frozen, never modified)
-        ctx.quant_base = (base.gate_up, base.down) if quant else None
-        w_saved = (None, None) if quant else (base.gate_up, base.down)
-        ctx.save_for_backward(xs, gu, pa, h, pd, d, ws, tok, pairs, *w_saved, a_gu, b_gu, ad, bd)
+        # quantized weights: their stored tensors are saved (streamed ones are views of a stream
+        # buffer, which the saved-tensor hooks of ``moe/streamed.py`` fetch back at backward), and
+        # the structure to rebuild them on ctx
+        if quant:
+            ctx.quant_base = (base.gate_up.leaves_structure(), base.down.leaves_structure())
+            w_saved = (*base.gate_up.leaves(), *base.down.leaves())
+        else:
+            ctx.quant_base = None
+            w_saved = (base.gate_up, base.down)
+        ctx.n_weights = len(w_saved)
+        ctx.save_for_backward(xs, gu, pa, h, pd, d, ws, tok, pairs, a_gu, b_gu, ad, bd, *w_saved)
         ctx.meta = (
             spec,
             inter,
@@ -257,9 +265,13 @@ class FusedGroupedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        xs, gu, pa, h, pd, d, ws, tok, pairs, w_gu, w_d, a_gu, b_gu, ad, bd = ctx.saved_tensors
+        xs, gu, pa, h, pd, d, ws, tok, pairs, a_gu, b_gu, ad, bd, *w_saved = ctx.saved_tensors
         if ctx.quant_base is not None:
-            w_gu, w_d = ctx.quant_base
+            (gu_struct, n_gu), (d_struct, _) = ctx.quant_base
+            w_gu = rebuild_quantized(gu_struct, w_saved[:n_gu])
+            w_d = rebuild_quantized(d_struct, w_saved[n_gu:])
+        else:
+            w_gu, w_d = w_saved
         # the spec and sizes only: the weights the backward reads come through saved_tensors
         # (where streamed ones are re-fetched: ``moe/streamed.py``'s saved-tensor hooks)
         spec, inter, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes = ctx.meta

@@ -146,13 +146,6 @@ class KTExperts(nn.Module):
         res_ids, st_ids = tuple(sorted(resident_ids)), tuple(sorted(stream_ids))
         old_res, old_st = self.resident, self.streamed
         base = self.runner.base
-        if base.quantized is not None and st_ids:
-            raise KTConfigError(
-                f"layer {self.layer_idx}: streamed experts {list(st_ids)} with {base.quantized} routed experts: "
-                "not supported yet (quantized experts run on the CPU or resident on the GPU, kept quantized there); "
-                "use gpu_experts instead of stream / placement: auto in the rule for this model, or "
-                "`kt-ft dequantize` the checkpoint to bf16"
-            )
         if old_res is None or old_res.ids != res_ids:
             if device is None and old_res is not None:
                 device = old_res.device

@@ -36,6 +36,12 @@ checkpointing, every layer but the last two).
 On the CPU device (a CPU-only machine, tests) the same buffers and schedule run with plain
 synchronous copies: no streams, events or registration; the numbers and the counters are the
 same.
+
+Layout. A buffer is bytes: a layer's block holds each stored tensor of its streamed experts (the
+weights and biases; for experts kept quantized, ``kt_ft.quant``, their stored tensors: FP8 or
+INT4 codes and their scales), rows in the order of the ids, each tensor starting at a multiple
+of ``_ALIGN`` bytes and viewed in its own dtype. So quantized experts cross the link in their
+stored bytes and are dequantized on the device, one expert at a time, by the products.
 """
 
 from __future__ import annotations
@@ -54,15 +60,21 @@ import torch
 from ..kernels.base import ExpertWeights
 from ..log import fmt_bytes, get_logger
 from ..placement.cost import STREAM_BUFFERS
+from ..quant.weights import QuantizedExperts, is_quantized
 
 logger = get_logger(__name__)
 
 TRIGGERS = ("forward", "backward", "prefetch")  # why a copy was issued
+_ALIGN = 64  # bytes: where each stored tensor of a block starts in a buffer (any dtype's alignment)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 @dataclass
 class _Slot:
-    """One device buffer: a flat [capacity] tensor of the base weights' dtype."""
+    """One device buffer: a flat [capacity] uint8 tensor (each layer's block viewed in its dtypes)."""
 
     buf: torch.Tensor | None = None
     staging: torch.Tensor | None = None  # pinned host twin (fallback when registration fails)
@@ -77,9 +89,10 @@ class _Slot:
 class _SavedView:
     """A tensor autograd saved from a stream buffer, as a reference: its layout in the layer's block."""
 
-    offset: int
+    offset: int  # in elements of dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class StreamScheduler:
@@ -93,7 +106,6 @@ class StreamScheduler:
         self.direction = 1  # +1: the last move went up the order, -1: down
         self.slots = [_Slot() for _ in range(num_slots)]
         self.device: torch.device | None = None
-        self.dtype: torch.dtype | None = None
         self.copy_stream = None
         self._tick = 0
         self.copies = 0  # block copies issued (one per layer fill)
@@ -105,12 +117,6 @@ class StreamScheduler:
     def register(self, layer: StreamedExperts) -> None:
         if layer.layer in self.layers:
             raise ValueError(f"layer {layer.layer} registered twice with the stream scheduler")
-        if self.dtype is not None and layer.dtype != self.dtype:
-            raise ValueError(
-                f"streamed experts of layer {layer.layer} are {layer.dtype}, others {self.dtype}: one "
-                "dtype per model (the buffers are shared)"
-            )
-        self.dtype = layer.dtype
         self.layers[layer.layer] = layer
 
     def unregister(self, layer: StreamedExperts) -> None:
@@ -131,13 +137,12 @@ class StreamScheduler:
 
     @property
     def capacity(self) -> int:
-        """Elements of one buffer: the largest layer's streamed block."""
-        return max((la.numel for la in self.layers.values()), default=0)
+        """Bytes of one buffer: the largest layer's streamed block."""
+        return max((la.nbytes for la in self.layers.values()), default=0)
 
     def buffer_bytes(self) -> int:
         """Device bytes of the buffers once allocated (len(slots) x the largest layer's block)."""
-        elt = torch.empty((), dtype=self.dtype or torch.float32).element_size()
-        return len(self.slots) * self.capacity * elt
+        return len(self.slots) * self.capacity
 
     def _setup(self, device: torch.device) -> None:
         if self.device == device and all(
@@ -153,7 +158,7 @@ class StreamScheduler:
         if cuda and self.copy_stream is None:
             self.copy_stream = torch.cuda.Stream(device)
         for s in self.slots:
-            s.buf = torch.empty(self.capacity, dtype=self.dtype, device=device)
+            s.buf = torch.empty(self.capacity, dtype=torch.uint8, device=device)
             s.layer, s.prefetched = None, False
             if cuda:
                 s.ready, s.free = torch.cuda.Event(), torch.cuda.Event()
@@ -239,7 +244,7 @@ class StreamScheduler:
             staging = None
             if not layer.pin():
                 if slot.staging is None or slot.staging.numel() < self.capacity:
-                    slot.staging = torch.empty(self.capacity, dtype=self.dtype, pin_memory=True)
+                    slot.staging = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
                 slot.ready.synchronize()  # the last copy out of this staging buffer has finished
                 staging = slot.staging
             with torch.cuda.stream(self.copy_stream):
@@ -269,8 +274,9 @@ class StreamScheduler:
 class StreamedExperts:
     """Experts ``ids`` of one layer, streamed from the layer's CPU base weights ``base`` through the
     model's ``scheduler``. Their block in a buffer: gate_up [S, ...], down [S, ...], then the
-    biases [S, ...] where the family has them, in the order of ``ids`` (S = len(ids)).
-    Counters: ``copies``, ``bytes_streamed``, ``hits``, ``prefetch_hits``, ``copies_by``."""
+    biases [S, ...] where the family has them, in the order of ``ids`` (S = len(ids)); a weight
+    kept quantized is its stored tensors there (each [S, ...] in its dtype). Counters: ``copies``,
+    ``bytes_streamed``, ``hits``, ``prefetch_hits``, ``copies_by``."""
 
     def __init__(
         self, layer: int, base: ExpertWeights, ids: Sequence[int], scheduler: StreamScheduler
@@ -286,20 +292,25 @@ class StreamedExperts:
         self.base = base
         self.scheduler = scheduler
         parts = (base.gate_up, base.down, base.gate_up_bias, base.down_bias)
-        self._parts = [(i, t) for i, t in enumerate(parts) if t is not None]
-        dtypes = {t.dtype for _, t in self._parts}
-        if len(dtypes) != 1:
-            raise ValueError(
-                f"layer {layer}: streamed experts need one dtype for weights and biases, got {dtypes}"
-            )
-        self.dtype = base.gate_up.dtype
+        self._quant = {i: t for i, t in enumerate(parts) if is_quantized(t)}
+        # the stored tensors, [E, ...] each: (which of ``parts``, (part index, key) of a quantized
+        # weight's stored tensor or None, the tensor)
+        self._parts: list[tuple[int, tuple[int, str] | None, torch.Tensor]] = []
+        for i, t in enumerate(parts):
+            if t is None:
+                continue
+            if i in self._quant:
+                for j, stored in enumerate(t.parts):
+                    self._parts += [(i, (j, key), v) for key, v in stored.items()]
+            else:
+                self._parts.append((i, None, t))
+        self.dtype = base.gate_up.dtype  # the compute dtype
         n = len(self.ids)
-        self._offsets, off = [], 0
-        for _, t in self._parts:
+        self._offsets, off = [], 0  # bytes
+        for _, _, t in self._parts:
             self._offsets.append(off)
-            off += n * t[0].numel()
-        self.numel = off
-        self.nbytes = off * torch.empty((), dtype=self.dtype).element_size()
+            off = _aligned(off + n * t[0].numel() * t.element_size())
+        self.nbytes = off
         runs: list[list[int]] = []  # [first expert id, first local index, length]
         for j, e in enumerate(self.ids):
             if runs and runs[-1][0] + runs[-1][2] == e:
@@ -319,17 +330,28 @@ class StreamedExperts:
     # --- layout ----------------------------------------------------------------------------
 
     def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Each stored tensor's block in the uint8 ``buf``, viewed [S, ...] in its dtype."""
         n = len(self.ids)
-        return [
-            buf[off : off + n * t[0].numel()].view(n, *t.shape[1:])
-            for (_, t), off in zip(self._parts, self._offsets)
-        ]
+        out = []
+        for (_, _, t), off in zip(self._parts, self._offsets):
+            nbytes = n * t[0].numel() * t.element_size()
+            out.append(buf[off : off + nbytes].view(t.dtype).view(n, *t.shape[1:]))
+        return out
 
     def view(self, buf: torch.Tensor) -> ExpertWeights:
-        """The streamed experts as ExpertWeights over ``buf`` (no copy)."""
-        parts: list[torch.Tensor | None] = [None] * 4
-        for (i, _), v in zip(self._parts, self._views(buf)):
-            parts[i] = v
+        """The streamed experts as ExpertWeights over ``buf`` (no copy; quantized weights as
+        ``QuantizedExperts`` over their stored tensors there)."""
+        parts: list = [None] * 4
+        stored: dict[int, list[dict[str, torch.Tensor]]] = {
+            i: [{} for _ in q.parts] for i, q in self._quant.items()
+        }
+        for (i, where, _), v in zip(self._parts, self._views(buf)):
+            if where is None:
+                parts[i] = v
+            else:
+                stored[i][where[0]][where[1]] = v
+        for i, q in self._quant.items():
+            parts[i] = QuantizedExperts(q.fmt, stored[i], q.part_rows, q.cols, q.dtype)
         return ExpertWeights(*parts, spec=self.base.spec)
 
     def copy_into(self, buf: torch.Tensor, staging: torch.Tensor | None, non_blocking: bool) -> None:
@@ -337,11 +359,11 @@ class StreamedExperts:
         ``buf``, straight from the CPU tensors, or through the pinned host ``staging`` buffer."""
         dst_views = self._views(buf)
         via = self._views(staging) if staging is not None else dst_views
-        for (_, t), dst in zip(self._parts, via):
+        for (_, _, t), dst in zip(self._parts, via):
             for e, j, m in self._runs:
                 dst[j : j + m].copy_(t[e : e + m], non_blocking=non_blocking and staging is None)
         if staging is not None:
-            buf[: self.numel].copy_(staging[: self.numel], non_blocking=non_blocking)
+            buf[: self.nbytes].copy_(staging[: self.nbytes], non_blocking=non_blocking)
 
     # --- host memory -----------------------------------------------------------------------
 
@@ -392,7 +414,7 @@ class StreamedExperts:
 
         def pack(t: torch.Tensor):
             if t.device == sched.device and t.untyped_storage().data_ptr() in ptrs:
-                return _SavedView(t.storage_offset(), tuple(t.shape), t.stride())
+                return _SavedView(t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
             return t
 
         def unpack(p):
@@ -400,7 +422,7 @@ class StreamedExperts:
                 return p
             slot = sched.acquire(self, "backward")
             sched.wait_ready(slot)
-            return slot.buf.as_strided(p.size, p.stride, p.offset)
+            return slot.buf.view(p.dtype).as_strided(p.size, p.stride, p.offset)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
@@ -427,7 +449,7 @@ def _register(layer: StreamedExperts) -> tuple[bool, str]:
     registered so far are unregistered."""
     lo, hi = layer.ids[0], layer.ids[-1] + 1
     ranges = []
-    for _, t in layer._parts:
+    for _, _, t in layer._parts:
         region = t[lo:hi]
         if t.device.type != "cpu" or not region.is_contiguous():
             return (
@@ -452,7 +474,7 @@ def _register(layer: StreamedExperts) -> tuple[bool, str]:
         done.append(ptr)
         _REGISTERED[ptr] = nbytes
     # unregister when the layer goes away (the tensors are kept alive until then) or at exit
-    layer._finalizer = weakref.finalize(layer, _unregister, done, [t for _, t in layer._parts])
+    layer._finalizer = weakref.finalize(layer, _unregister, done, [t for _, _, t in layer._parts])
     return True, ""
 
 

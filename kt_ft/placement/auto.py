@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..log import fmt_bytes
+from ..quant.weights import is_quantized
 from ..rules.plan import ExpertPlacement, PlacementPlan
 from ..rules.report import TRAIN_STATE_BYTES, TrainSizes, _expert_dims, _ranges, estimate
 from ..rules.schema import GpuExpertSpec
@@ -32,7 +33,12 @@ def layer_shape(model: torch.nn.Module, e: ExpertPlacement, dtype: torch.dtype) 
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     top_k = int(getattr(text, "num_experts_per_tok", 1))
     nbytes = torch.empty((), dtype=dtype).element_size()
-    return LayerShape(num, hidden, inter, top_k, nbytes, 2 if nbytes <= 2 else 4)
+    # routed experts kept quantized (kt_ft.quant): their stored bytes are what the GPU holds and the
+    # link carries
+    mod = model.get_submodule(e.name)
+    gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+    stored = (gu.nbytes() + dn.nbytes()) // num if is_quantized(gu) and is_quantized(dn) else None
+    return LayerShape(num, hidden, inter, top_k, nbytes, 2 if nbytes <= 2 else 4, stored)
 
 
 def model_non_expert_flops(model: torch.nn.Module, plan: PlacementPlan, sizes: TrainSizes) -> float:

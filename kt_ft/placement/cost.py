@@ -94,7 +94,9 @@ def link_passes(stream_layers: int) -> float:
 @dataclass(frozen=True)
 class LayerShape:
     """One MoE layer's routed experts. ``weight_bytes``: bytes per base weight value (2 for bf16);
-    ``act_bytes``: bytes per activation value crossing the link (the model's dtype)."""
+    ``act_bytes``: bytes per activation value crossing the link (the model's dtype);
+    ``stored_bytes``: one expert's bytes as stored when kept quantized (``kt_ft.quant``: codes and
+    scales, what RAM holds and the link carries), None: ``weight_bytes`` a value."""
 
     num_experts: int
     hidden: int
@@ -102,10 +104,13 @@ class LayerShape:
     top_k: int
     weight_bytes: int = 2
     act_bytes: int = 2
+    stored_bytes: int | None = None
 
     @property
     def expert_bytes(self) -> int:
         """Base weights of one expert: gate, up [I, H] and down [H, I]."""
+        if self.stored_bytes is not None:
+            return self.stored_bytes
         return 3 * self.hidden * self.inter * self.weight_bytes
 
     def pair_flops(self, rank: int) -> float:

@@ -13,6 +13,8 @@ would read a whole layer at once fails loudly instead of materialising it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .formats import QuantFormat
@@ -97,6 +99,15 @@ class QuantizedExperts:
         parts = [{k: t.to(device) for k, t in p.items()} for p in self.parts]
         return QuantizedExperts(self.fmt, parts, self.part_rows, self.cols, self.dtype)
 
+    def leaves(self) -> list[torch.Tensor]:
+        """The stored tensors, parts in order, keys in their order (``rebuild_quantized``'s input)."""
+        return [t for p in self.parts for t in p.values()]
+
+    def leaves_structure(self) -> tuple[tuple, int]:
+        """(what ``rebuild_quantized`` needs besides the leaves, how many leaves)."""
+        keys = [tuple(p) for p in self.parts]
+        return (self.fmt, keys, self.part_rows, self.cols, self.dtype), sum(len(k) for k in keys)
+
     def dequantize_all(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole fused weight [E, rows, cols] in ``dtype``: export and tests only."""
         dt = dtype or self.dtype
@@ -110,6 +121,17 @@ class QuantizedExperts:
             f"QuantizedExperts({self.fmt.name}, shape={tuple(self.shape)}, parts={self.part_rows}, "
             f"computes in {self.dtype})"
         )
+
+
+def rebuild_quantized(structure: tuple, leaves: Sequence[torch.Tensor]) -> QuantizedExperts:
+    """A ``QuantizedExperts`` from ``leaves_structure()[0]`` and tensors in ``leaves()``'s order
+    (autograd saves the stored tensors of a quantized weight one by one)."""
+    fmt, keys, part_rows, cols, dtype = structure
+    parts, i = [], 0
+    for ks in keys:
+        parts.append(dict(zip(ks, leaves[i : i + len(ks)], strict=True)))
+        i += len(ks)
+    return QuantizedExperts(fmt, parts, part_rows, cols, dtype)
 
 
 def is_quantized(t) -> bool:
