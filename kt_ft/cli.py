@@ -163,9 +163,13 @@ def _rules_plan(args: argparse.Namespace) -> int:
     if auto_layers(plan) or overrides or args.remeasure:
         section = _placement(model, plan, dtype, sizes, overrides, args.gpu_mem, args.remeasure)
     from .quant.detect import detect_format  # why: lazy CLI
+    from .quant.loading import stored_linear_weights  # why: lazy CLI
 
-    # after placement: auto wrote its split into the plan; quantized experts count as stored
-    report = estimate(model, plan, dtype, sizes, expert_format=detect_format(model.config))
+    # after placement: auto wrote its split into the plan; quantized experts count as stored, and
+    # so do the other linear weights a load keeps quantized
+    fmt = detect_format(model.config)
+    stored = stored_linear_weights(model, args.model, fmt) if fmt is not None else None
+    report = estimate(model, plan, dtype, sizes, expert_format=fmt, stored_weights=stored)
     check_budgets(report, args.gpu_mem, args.cpu_mem)
     if section is not None:
         report["placement"] = section

@@ -265,8 +265,22 @@ def _load(model_dir, backend, dtype=torch.float32, rule="deepseek_v3"):
         for n, p in model.named_parameters():
             if n.endswith("_b"):  # expert LoRA B starts at zero: make it count
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-            p.requires_grad_(True)
+            if p.is_floating_point():  # (a QuantizedLinear's weight is its codes: frozen)
+                p.requires_grad_(True)
     return model, summary
+
+
+def _assert_grads(got: dict, want: dict, model, what="") -> None:
+    """Every gradient of ``want`` (the dequantized fp32 model) in ``got`` within 1e-5 of its largest
+    entry, but the weights of linear layers kept quantized (``QuantizedLinear``: frozen, no
+    gradient; their input gradient is checked through everything before them)."""
+    from kt_ft.quant.linear import QuantizedLinear
+
+    kept = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert got.keys() == want.keys() - kept, (what, sorted(want.keys() ^ got.keys())[:5])
+    for n, g in got.items():
+        tol = 1e-5 * want[n].abs().max().item() + 1e-12
+        assert (g - want[n]).abs().max().item() <= tol, (what, n)
 
 
 def _loss_and_grads(model):
@@ -297,12 +311,9 @@ def test_training_matches_the_dequantized_model(tiny_ckpts, tmp_path, fmt):
         )
         loss, got = _loss_and_grads(model)
         assert abs(loss - want_loss) <= 1e-6 * abs(want_loss), (backend, loss, want_loss)
-        assert got.keys() == want.keys()
-        for name in [n for n in want if "experts" in n or "mlp.gate" in n or "embed" in n]:
+        for name in [n for n in want if "mlp.experts" in n or n.endswith("mlp.gate.weight") or "embed" in n]:
             assert name in got, name
-        for n, g in want.items():
-            tol = 1e-5 * g.abs().max().item() + 1e-12
-            assert (got[n] - g).abs().max().item() <= tol, (backend, n)
+        _assert_grads(got, want, model, backend)
 
 
 def test_experts_are_dequantized_one_at_a_time(tiny_ckpts):
@@ -357,8 +368,7 @@ def test_resident_quantized_experts_match_the_dequantized_model(tiny_ckpts, tmp_
         assert res.nbytes() == res.weights.gate_up.nbytes() + res.weights.down.nbytes()
     loss, got = _loss_and_grads(model)
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss), (loss, want_loss)
-    for n, g in want.items():
-        assert (got[n] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-12, n
+    _assert_grads(got, want, model)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
@@ -387,8 +397,7 @@ def test_streamed_quantized_experts_match_the_dequantized_model(tiny_ckpts, tmp_
     loss, got = _loss_and_grads(model)
     assert len(moe) >= 2 and sched.copies_by["backward"] >= 1, sched.stats()  # views fetched back
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss), (loss, want_loss)
-    for n, g in want.items():
-        assert (got[n] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-12, n
+    _assert_grads(got, want, model)
 
 
 def test_the_planner_counts_quantized_experts_as_stored(tiny_ckpts):
@@ -403,6 +412,83 @@ def test_the_planner_counts_quantized_experts_as_stored(tiny_ckpts):
     shape = layer_shape(model, e, torch.bfloat16)
     assert shape.expert_bytes == (m.gate_up_proj.nbytes() + m.down_proj.nbytes()) // m.num_experts
     assert shape.expert_bytes < 3 * shape.hidden * shape.inter * 2 * 0.6  # int4: ~0.56 of bf16
+
+
+# --- linear layers kept quantized (DeepSeek-V3's FP8 attention and MLPs) -------------------------
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_is_the_dequantized_linear(fmt, dtype):
+    """Forward and input gradient equal (bitwise: the same dequantized W, the same product) those of
+    an nn.Linear holding W dequantized; nothing of W's size [out, in] is saved for the backward."""
+    from kt_ft.quant.linear import QuantizedLinear
+
+    gen = torch.Generator().manual_seed(SEED)
+    print(f"seed {SEED}")
+    out, inp = 48, 80  # not multiples of the FP8 block (128) nor of the INT4 group times 8
+    f = FORMATS[fmt]
+    stored = f.quantize(torch.randn(out, inp, generator=gen) * 0.1)
+    bias = torch.randn(out, generator=gen).to(dtype)
+    q = QuantizedLinear(f, stored, out_features=out, in_features=inp, bias=bias, dtype=dtype)
+    ref = torch.nn.Linear(inp, out, dtype=dtype)
+    with torch.no_grad():
+        ref.weight.copy_(f.dequantize(stored, dtype))
+        ref.bias.copy_(bias)
+    x = torch.randn(3, 5, inp, generator=gen).to(dtype).requires_grad_(True)
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        y = q(x)
+    g = torch.randn(y.shape, generator=gen).to(dtype)
+    (dx,) = torch.autograd.grad(y, x, g)
+    x2 = x.detach().requires_grad_(True)
+    y2 = ref(x2)
+    (dx2,) = torch.autograd.grad(y2, x2, g)
+    assert torch.equal(y, y2) and torch.equal(dx, dx2)
+    assert all(n < out * inp for n in sizes), sizes
+    assert q.weight.dtype == torch.uint8 and not q.weight.requires_grad
+    assert q.stored_nbytes() == f.nbytes(out, inp)
+
+
+def test_peft_wraps_a_quantized_linear_with_a_float_lora():
+    """LoRA on a QuantizedLinear (PEFT's own Linear wrapper): the LoRA keeps its float dtype (the
+    codes are uint8, which PEFT does not cast to), trains, and the base stays frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    from kt_ft.quant.linear import QuantizedLinear
+
+    gen = torch.Generator().manual_seed(SEED)
+    f = FORMATS["fp8"]
+    q = QuantizedLinear(f, f.quantize(torch.randn(32, 64, generator=gen)), out_features=32, in_features=64,
+                        bias=None, dtype=torch.float32)  # fmt: skip
+    model = get_peft_model(torch.nn.Sequential(q), LoraConfig(r=4, lora_alpha=8, target_modules=["0"]))
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and all(p.dtype == torch.float32 and p.requires_grad for p in lora.values())
+    with torch.no_grad():
+        for p in lora.values():
+            p.normal_(0, 0.1, generator=gen)
+    model(torch.randn(2, 64, generator=gen)).square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora.values())
+    assert q.weight.grad is None
+
+
+def test_fp8_linear_layers_are_kept_quantized_at_load(tiny_ckpts, monkeypatch):
+    """The fp8 checkpoint's attention and MLP projections load as QuantizedLinear (stored bytes),
+    with KT_FT_KEEP_QUANTIZED_LINEAR=0 as nn.Linear holding their dequantization; same loss and
+    gradients either way (the same W each call)."""
+    from kt_ft.quant.linear import QuantizedLinear
+
+    model, _ = _load(tiny_ckpts / "fp8", "torch")
+    kept = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    assert any("self_attn" in n for n in kept) and any("shared_experts" in n for n in kept)
+    assert not any(n.endswith(("lm_head", "mlp.gate")) for n in kept)
+    loss, got = _loss_and_grads(model)
+    monkeypatch.setenv("KT_FT_KEEP_QUANTIZED_LINEAR", "0")
+    plain, _ = _load(tiny_ckpts / "fp8", "torch")
+    assert not any(isinstance(m, QuantizedLinear) for m in plain.modules())
+    want_loss, want = _loss_and_grads(plain)
+    assert loss == want_loss
+    _assert_grads(got, want, model)
 
 
 # --- memory: the experts stay quantized -------------------------------------------------------
@@ -549,6 +635,54 @@ def test_rules_plan_counts_fp8_experts_as_stored(tmp_path, capsys):
         f"DeepSeek-V3 CPU: fp8 {fp8['devices']['cpu']['total_bytes'] / 1e9:.0f} GB, bf16 {bf16['devices']['cpu']['total_bytes'] / 1e9:.0f} GB"
     )
     assert fp8["devices"]["cpu"]["total_bytes"] <= 800e9 < bf16["devices"]["cpu"]["total_bytes"]
+
+
+def test_rules_plan_counts_fp8_linear_layers_as_stored(tmp_path, capsys):
+    """DeepSeek-V3 fp8 as distributed, from config.json and the files' headers (a header-only
+    model.safetensors: every linear weight outside the routed experts stored fp8 with its block
+    scales, as the real files are): those layers are kept quantized on the GPU (1 byte a weight +
+    the scales): the training GPU's total drops by their bf16 bytes less the stored ones (39.4 GiB
+    dequantized, 25.3 kept, at cutoff_len 2048)."""
+    import struct
+
+    from transformers import AutoConfig
+
+    from kt_ft.rules.skeleton import meta_model
+
+    d = tmp_path / "fp8h"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    model = meta_model(AutoConfig.from_pretrained(d), torch.bfloat16)
+    header, off, stored, dense = {}, 0, 0, 0
+    for name, m in model.named_modules():
+        if (
+            type(m) is not torch.nn.Linear
+            or ".mlp.experts." in name
+            or name.endswith(("lm_head", "mlp.gate"))
+        ):
+            continue
+        out, inp = m.out_features, m.in_features
+        for key, dt, shape, size in (
+            ("weight", "F8_E4M3", [out, inp], 1),
+            ("weight_scale_inv", "F32", [-(-out // 128), -(-inp // 128)], 4),
+        ):
+            n = shape[0] * shape[1] * size
+            header[f"{name}.{key}"] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + n]}
+            off += n
+        stored += FORMATS["fp8"].nbytes(out, inp)
+        dense += 2 * out * inp  # bf16
+    raw = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)  # headers, no data
+    capsys.readouterr()
+    cli(["rules", "plan", "--rule", "deepseek_v3", "--model", str(d), "--cpu-infer", "16", "--json"])
+    kept = json.loads(capsys.readouterr().out)["devices"]["cuda:0"]
+    plain = _plan(tmp_path, DEEPSEEK_V3, capsys)["devices"]["cuda:0"]  # config alone: dequantized
+    assert plain["param_bytes"] - kept["param_bytes"] == dense - stored
+    print({k: f"{v / 2**30:.2f} GiB" for k, v in kept.items() if k.endswith("bytes")})
+    print(
+        f"DeepSeek-V3 fp8 GPU: kept {kept['total_bytes'] / 2**30:.1f} GiB, dequantized {plain['total_bytes'] / 2**30:.1f} GiB"
+    )
+    assert kept["total_bytes"] < plain["total_bytes"] - 13 * 2**30
 
 
 def test_rules_plan_counts_int4_experts_as_stored(tmp_path, capsys):

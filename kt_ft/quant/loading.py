@@ -10,8 +10,10 @@ transformers is given the config without its ``quantization_config`` and the rou
    stored name stacked over experts, and puts a ``QuantizedExperts`` where the fused parameter
    was: RAM holds the files' bytes of the experts, no bf16 copy at any point (each layer's file
    range is dropped from the page cache after it is read, as ``moe/expert_reading.py`` does);
-2. overwrites every other weight the files store quantized with its dequantization in the
-   training dtype (attention, dense and shared-expert projections of DeepSeek-V3's fp8 files).
+2. puts every other linear layer the files store quantized (attention, dense and shared-expert
+   projections of DeepSeek-V3's fp8 files) in a ``QuantizedLinear`` (``linear.py``) holding the
+   stored tensors, dequantized inside each call (``KT_FT_KEEP_QUANTIZED_LINEAR=0``, or a weight
+   that is not an ``nn.Linear``'s: overwritten with its dequantization in the training dtype).
 
 Shapes and dtypes are checked against the format before anything is read; a mismatch names the
 tensor, the file, what it is and what the format wants.
@@ -33,7 +35,9 @@ from ..log import fmt_bytes, get_logger
 from ..moe.expert_files import TensorLoc, _prefixes, read_index
 from ..moe.expert_reading import _bytes_of, _drop_cache, _read_into
 from ..moe.shared_weights import meta_device_map
+from ..settings import enabled
 from .formats import ST_DTYPES, QuantFormat, Stored
+from .linear import QuantizedLinear
 from .weights import QuantizedExperts
 
 logger = get_logger(__name__)
@@ -225,13 +229,16 @@ def read_stored(loc: TensorLoc) -> torch.Tensor:
 
 
 def dequantize_other_weights(model: nn.Module, model_dir: str | Path, fmt: QuantFormat) -> int:
-    """Overwrite every parameter ``X.weight`` of ``model`` the files store quantized (``X.<marker>``
-    present) with its dequantization in the parameter's dtype, on its device. Returns the count."""
+    """Every parameter ``X.weight`` of ``model`` the files store quantized (``X.<marker>`` present):
+    its ``nn.Linear`` replaced by a ``QuantizedLinear`` of the stored tensors (on the weight's
+    device, computing in its dtype) when ``KT_FT_KEEP_QUANTIZED_LINEAR`` is on, else overwritten
+    with its dequantization in the parameter's dtype. Returns the count of either."""
     index, reason = read_index(model_dir)
     if reason:
         raise KTConfigError(reason)
-    done = 0
-    for name, p in model.named_parameters():
+    keep = enabled("KT_FT_KEEP_QUANTIZED_LINEAR")
+    done = kept = kept_bytes = 0
+    for name, p in list(model.named_parameters()):
         if not name.endswith(".weight") or p.device.type == "meta":
             continue
         stem = name[: -len("weight")]
@@ -250,15 +257,53 @@ def dequantize_other_weights(model: nn.Module, model_dir: str | Path, fmt: Quant
                 if problem:
                     raise KTConfigError(problem)
                 parts[st.name] = read_stored(index[key])
-            with torch.no_grad():
-                p.data.copy_(fmt.dequantize(parts, p.dtype))
+            owner_name = stem.rstrip(".")
+            owner = model.get_submodule(owner_name)
+            if keep and type(owner) is nn.Linear:
+                q = QuantizedLinear(
+                    fmt,
+                    {k: v.to(p.device) for k, v in parts.items()},
+                    out_features=out,
+                    in_features=inp,
+                    bias=owner.bias,
+                    dtype=p.dtype,
+                )
+                parent, _, child = owner_name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, child, q)
+                kept += 1
+                kept_bytes += q.stored_nbytes()
+            else:
+                with torch.no_grad():
+                    p.data.copy_(fmt.dequantize(parts, p.dtype))
             done += 1
             break
-    if done:
+    if done - kept:
         logger.info(
-            f"{done} weights stored {fmt.name} outside the routed experts dequantized to the training dtype"
+            f"{done - kept} weights stored {fmt.name} outside the routed experts dequantized to the training dtype"
+        )
+    if kept:
+        logger.info(
+            f"{kept} linear layers stored {fmt.name} outside the routed experts kept as stored "
+            f"({fmt_bytes(kept_bytes)}), dequantized inside each call (KT_FT_KEEP_QUANTIZED_LINEAR=0: at load)"
         )
     return done
+
+
+def stored_linear_weights(model: nn.Module, model_dir: str | Path, fmt: QuantFormat) -> dict[str, int]:
+    """Parameter name -> stored bytes of the linear weights outside the routed experts that a load
+    keeps quantized (``dequantize_other_weights``): for ``kt-ft rules plan`` from the config and the
+    files' headers (``model`` may be on ``meta``). Empty without safetensors files or with
+    ``KT_FT_KEEP_QUANTIZED_LINEAR=0``."""
+    index, reason = read_index(model_dir)
+    if reason or not enabled("KT_FT_KEEP_QUANTIZED_LINEAR"):
+        return {}
+    out: dict[str, int] = {}
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear:
+            continue
+        if any(f"{prefix}.{fmt.marker()}" in index for prefix in _prefixes(name)):
+            out[f"{name}.weight"] = fmt.nbytes(m.out_features, m.in_features)
+    return out
 
 
 def release_file_mappings(model: nn.Module) -> None:

@@ -149,6 +149,7 @@ def estimate(
     sizes: TrainSizes,
     cuda_overhead_bytes: int | None = None,
     expert_format=None,
+    stored_weights: dict[str, int] | None = None,
 ) -> dict:
     """Every number of ``kt-ft rules plan`` as a JSON-ready dict (bytes, counts, groups, devices).
 
@@ -156,7 +157,9 @@ def estimate(
     what it measured plus ``CUDA_GROWTH_BYTES``); None: ``CUDA_OVERHEAD_BYTES + CUDA_GROWTH_BYTES``.
     ``expert_format``: the routed experts' quantized format (``kt_ft.quant``), kept as stored in RAM:
     their bytes are the format's (weights and scales of gate, up [I, H] and down [H, I] per expert);
-    the rest counts in ``dtype`` (dequantized at load)."""
+    the rest counts in ``dtype`` (dequantized at load), but ``stored_weights`` (parameter name ->
+    stored bytes: other linear weights a quantized checkpoint keeps as stored, ``kt_ft.quant.linear``)
+    and the weights of ``QuantizedLinear`` layers already in the model, which count as stored."""
     elt = torch.empty((), dtype=dtype).element_size()
     experts = {e.name: e for e in plan.experts}
     train_dev = _device(plan.module_devices.get("", "cuda"))
@@ -191,7 +194,11 @@ def estimate(
         if layer is not None:
             g[0].append(layer)
         g[1] += p.numel()
-        dev(d)["param_bytes"] += p.numel() * elt
+        nbytes = (stored_weights or {}).get(pname)
+        if nbytes is None and not p.is_floating_point() and pname.endswith(".weight"):
+            # a QuantizedLinear's codes: the layer's stored tensors (codes and scales)
+            nbytes = getattr(model.get_submodule(owner), "stored_nbytes", lambda: None)()
+        dev(d)["param_bytes"] += p.numel() * elt if nbytes is None else nbytes
 
     lora = {"peft_params": 0, "expert_params": 0}
     stream = {"layers": 0, "experts": 0, "largest_layer_bytes": 0, "buffer_bytes": 0, "bytes_per_pass": 0}
