@@ -31,7 +31,7 @@ from .errors import KTConfigError
 from .kernels import LORA_NAMES
 from .log import get_logger
 from .lora import lora_scaling
-from .models import family_of
+from .models import family_of, lm_loss
 from .models.dispatch import register_experts_function
 from .moe.experts import KTExperts
 from .moe.patch import KTSummary, replace_routed_experts
@@ -39,6 +39,7 @@ from .placement.auto import auto_layers
 from .placement.runtime import Replanner, auto_at_start
 from .rules import PlacementPlan, load_rules, make_plan, resolve_rule_path
 from .rules.report import TrainSizes
+from .settings import enabled
 
 logger = get_logger(__name__)
 
@@ -156,6 +157,15 @@ def apply(
     summary = replace_routed_experts(
         model, plan, config.rank, config.scaling, config.chunk_size, seed=config.seed
     )
+    if enabled("KT_FT_CHUNKED_LOSS"):
+        why_not = lm_loss.install(model)
+        if why_not is None:
+            logger.info(
+                "training loss: lm_head and cross entropy a chunk of tokens at a time, no [tokens, vocab] "
+                "logits (KT_FT_CHUNKED_LOSS=0: the model's own)"
+            )
+        else:
+            logger.info(f"training loss: the model's own ({why_not})")
     replanner = None
     if auto is not None and trainable:
         # replan_steps 0: no re-planning from routing counts, only the one check of the CPU op's

@@ -37,6 +37,13 @@ _ALL = (
         "0: transformers loads the routed experts instead of kt-ft reading the files",
     ),
     Setting(
+        "KT_FT_CHUNKED_LOSS",
+        "1",
+        "0: the training loss through the model's own forward (logits of every token) instead of lm_head and "
+        "the cross entropy a chunk of tokens at a time (kt_ft/models/lm_loss.py)",
+        "numerics",
+    ),
+    Setting(
         "KT_FT_KEEP_QUANTIZED_LINEAR",
         "1",
         "0: a quantized checkpoint's other quantized linear weights (DeepSeek-V3's FP8 attention and MLPs) are "

@@ -43,9 +43,10 @@ import torch
 
 from ..errors import KTConfigError
 from ..log import fmt_bytes
-from ..models import layer_index, unwrap_peft
+from ..models import layer_index, lm_loss, unwrap_peft
 from ..placement.cost import STREAM_BUFFERS
 from ..placement.homes import lora_home
+from ..settings import enabled
 from .plan import PlacementPlan
 
 TRAIN_STATE_BYTES = 16  # per trainable parameter: fp32 weight + grad + 2 AdamW moments
@@ -257,12 +258,10 @@ def estimate(
     text = _text_config(model)
     H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
     a = 2 if elt == 2 else 4
-    gpu_act = (
-        L * tokens * H * a
-        + LAYER_WORKSET * tokens * H * a
-        + LOSS_BYTES_PER_LOGIT * tokens * V
-        + gpu_expert_act
-    )
+    # the loss: transformers' logits of every token, or kt-ft's chunked loss (models/lm_loss.py)
+    chunked = enabled("KT_FT_CHUNKED_LOSS") and lm_loss.supported(model.config)
+    loss_bytes = lm_loss.loss_bytes(tokens, V, H) if chunked else LOSS_BYTES_PER_LOGIT * tokens * V
+    gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + loss_bytes + gpu_expert_act
     cpu_act = 0
     for e in plan.experts:
         num, _, inter = _expert_dims(model, e)

@@ -1,0 +1,184 @@
+"""The causal-LM loss of a training forward without the [tokens, vocab] logits: ``lm_head`` and the
+cross entropy computed a chunk of tokens at a time, the gradient of the hidden states taken in the
+same pass.
+
+Why: transformers computes the logits of every token (bf16), then their float32 copy, the
+log-softmax and, in the backward, its gradient: ~14 bytes a logit (``rules/report.py``
+``LOSS_BYTES_PER_LOGIT``), 4.1 GiB for Qwen3-30B-A3B's 151,936-token vocabulary at 2,048 tokens,
+all alive at the turn from forward to backward where a step's GPU memory peaks. Here a chunk's
+logits (``CHUNK_BYTES`` of float32) live only inside the loop, and the backward keeps the hidden
+states' gradient [tokens, H] in float32: GPU memory the placement can give to experts instead.
+
+What is computed is transformers' ``ForCausalLMLoss``: labels shifted left (``ignore_index``
+-100), logits ``lm_head(h)`` in the model's dtype then float32, cross entropy summed and divided
+by ``num_items_in_batch`` when the trainer passes it, else by the count of counted tokens; the MoE
+auxiliary loss added as the model would (``router_aux_loss_coef``). The gradient reaching ``h`` is
+transformers' too: the float32 gradient of the logits (softmax - one-hot, over the divisor) cast
+to the model's dtype, times ``W``; the incoming gradient (the trainer's 1 / accumulation steps) is
+applied afterwards in float32, exact for powers of two. Only where that is the whole story:
+``lm_head`` a frozen plain ``nn.Linear``, the model's loss ``ForCausalLM``, no logit scaling or
+soft-capping in its config (``supported``); elsewhere the model's own forward runs.
+
+``install(model)`` swaps the forward of the model's causal-LM module (an instance attribute: the
+class and other instances are untouched); evaluation, generation and calls without labels go to
+the original forward unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..log import get_logger
+
+logger = get_logger(__name__)
+
+CHUNK_BYTES = 128 * 2**20  # float32 logits of one chunk (the softmax and the model-dtype copy: ~2x more)
+IGNORE_INDEX = -100
+# config attributes that change the logits after lm_head (a model that sets one keeps its own loss)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def supported(config) -> bool:
+    """Whether a model of ``config`` can take the chunked loss (by its config alone)."""
+    for c in {id(config): config, id(_text_config(config)): _text_config(config)}.values():
+        if any(getattr(c, a, None) not in (None, 0, 1, 1.0) for a in _LOGIT_TRANSFORMS):
+            return False
+    return True
+
+
+def loss_bytes(tokens: int, vocab: int, hidden: int) -> int:
+    """GPU bytes the chunked loss holds at its peak: a chunk's float32 logits, their softmax and
+    model-dtype copy (<= 2.5 x ``CHUNK_BYTES``, less for a short micro-batch) and the hidden
+    states' float32 gradient."""
+    return min(tokens * vocab * 4, CHUNK_BYTES) * 5 // 2 + tokens * hidden * 4
+
+
+def causal_lm_module(model: nn.Module) -> nn.Module | None:
+    """The module that owns ``lm_head`` as a submodule of its own (PEFT's wrappers only forward the
+    attribute), or None."""
+    for m in model.modules():
+        if isinstance(m._modules.get("lm_head"), nn.Module) and hasattr(m, "loss_function"):
+            return m
+    return None
+
+
+class _Hidden(nn.Module):
+    """Stands in for ``lm_head`` during one forward: returns what it gets (the final hidden states)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+def install(model: nn.Module) -> str | None:
+    """Give ``model``'s causal-LM module the chunked training loss; returns why not (None: done)."""
+    lm = causal_lm_module(model)
+    if lm is None:
+        return "no module with an lm_head and a loss_function"
+    if not supported(lm.config):
+        return "the config scales or soft-caps the logits"
+    if getattr(lm, "_kt_ft_chunked_loss", False):
+        return None
+    head = lm.lm_head
+    if type(head) is not nn.Linear:
+        return f"lm_head is a {type(head).__name__} (LoRA or another wrapper), not a plain nn.Linear"
+    if getattr(lm, "loss_type", None) not in (None, "ForCausalLM"):
+        return f"the model's loss is {lm.loss_type}, not ForCausalLM"
+    original = lm.forward
+
+    def forward(*args, labels=None, **kwargs):
+        head = lm.lm_head
+        keep = kwargs.get("logits_to_keep", 0)
+        if (
+            labels is None
+            or not lm.training
+            or not torch.is_grad_enabled()
+            or keep not in (0, None)
+            or type(head) is not nn.Linear
+            or head.weight.requires_grad
+        ):
+            return original(*args, labels=labels, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        lm.lm_head = _Hidden()
+        try:
+            out = original(*args, labels=None, **kwargs)
+        finally:
+            lm.lm_head = head
+        hidden = out.logits  # [B, T, H]: what lm_head would have been given
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        targets = shift_labels.reshape(-1).to(hidden.device)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        divisor = num_items if num_items is not None else (targets != IGNORE_INDEX).sum()
+        loss = chunked_lm_loss(h, head.weight, head.bias, targets, divisor)
+        aux = getattr(out, "aux_loss", None)
+        if aux is not None:  # the model adds it only when it computed the loss itself
+            loss = loss + lm.router_aux_loss_coef * aux.to(loss.device)
+        # item assignment: a ModelOutput keeps its dict and attributes in step only this way
+        out["loss"] = loss
+        out["logits"] = None  # nothing of [tokens, vocab] leaves the call
+        return out
+
+    lm.forward = forward
+    lm._kt_ft_chunked_loss = True
+    return None
+
+
+def chunked_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    divisor,
+) -> torch.Tensor:
+    """Σ over counted rows of cross_entropy(hidden @ weight^T + bias, targets) / divisor.
+
+    hidden [N, H] (model dtype), weight [V, H], bias [V] or None, targets [N] int64 (-100: not
+    counted), divisor: a number or 0-dim tensor -> 0-dim float32, differentiable w.r.t. hidden."""
+    if torch.is_tensor(divisor):
+        divisor = divisor.to(hidden.device)
+    return _ChunkedLMLoss.apply(hidden, weight, bias, targets, divisor)
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, divisor):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        rows = max(1, CHUNK_BYTES // (vocab * 4))
+        need = ctx.needs_input_grad[0]
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        inv = 1.0 / divisor if not torch.is_tensor(divisor) else divisor.float().reciprocal()
+        for s in range(0, n, rows):
+            e = min(n, s + rows)
+            t = targets[s:e]
+            counted = t != IGNORE_INDEX
+            logits = F.linear(hidden[s:e], weight, bias).float()  # [c, V], as transformers upcasts
+            lse = torch.logsumexp(logits, dim=-1)
+            safe = torch.where(counted, t, 0)
+            picked = logits.gather(1, safe[:, None])[:, 0]
+            total += torch.where(counted, lse - picked, 0.0).sum()
+            if need:
+                # d loss / d logits = (softmax - one-hot) / divisor on counted rows, cast to the
+                # model's dtype (as autograd through ``.float()`` does), then through W
+                p = logits.sub_(lse[:, None]).exp_()
+                p[torch.arange(e - s, device=p.device), safe] -= 1.0
+                p.mul_((counted.float() * inv)[:, None])
+                grad_h[s:e] = p.to(weight.dtype) @ weight
+            del logits
+        ctx.save_for_backward(grad_h)
+        ctx.dtype = hidden.dtype
+        return total * inv
+
+    @staticmethod
+    def backward(ctx, grad):
+        (grad_h,) = ctx.saved_tensors
+        if grad_h is None:
+            return None, None, None, None, None
+        return (grad_h * grad).to(ctx.dtype), None, None, None, None
