@@ -95,7 +95,9 @@ def test_the_train_tab_has_the_kt_ft_fields_in_its_inputs(train_tab):
         assert {elems[f"train.{k}"]._id for k in keys} <= {i._id for i in fn.inputs}, button
     # shown above the buttons, not below the output box
     tab = elems["train.start_btn"].parent.parent
-    assert tab.children.index(elems["train.kt_tab"]) == tab.children.index(elems["train.start_btn"].parent) - 1
+    assert (
+        tab.children.index(elems["train.kt_tab"]) == tab.children.index(elems["train.start_btn"].parent) - 1
+    )
     from llamafactory.webui.locales import LOCALES
 
     assert LOCALES["use_kt"]["zh"]["label"] == "use_kt"  # every board language labels the fields
@@ -197,7 +199,9 @@ def _browser_parts() -> tuple[str | None, str | None, str | None]:
     """(chromium, chromedriver, why not) for the browser test."""
     if importlib.util.find_spec("selenium") is None:
         return None, None, "selenium is not installed (pip install selenium)"
-    browser = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    browser = next(
+        (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None
+    )
     driver = shutil.which("chromedriver")
     if browser is None or driver is None:
         missing = " and ".join(n for n, p in (("chromium", browser), ("chromedriver", driver)) if p is None)
@@ -234,7 +238,11 @@ def board(tmp_path):
     }
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [str(bin_dir / "llamafactory-cli"), "webui"], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT
+            [str(bin_dir / "llamafactory-cli"), "webui"],
+            cwd=tmp_path,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}/"
     try:
@@ -266,7 +274,13 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = BROWSER
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,2400"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1400,2400",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=Service(DRIVER))
     driver.implicitly_wait(0)
@@ -290,12 +304,16 @@ class Page:
         while True:
             try:
                 value = what()
+            except AssertionError:
+                raise
             except Exception:  # an element not there yet, or replaced while read
                 value = None
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout} s: {message}\n--- page:\n{self.text()[-3000:]}")
+                raise AssertionError(
+                    f"timed out after {timeout} s: {message}\n--- page:\n{self.text()[-3000:]}"
+                )
             time.sleep(0.2)
 
     def text(self) -> str:
@@ -325,9 +343,20 @@ class Page:
         el.send_keys(self.Keys.ENTER if enter else self.Keys.TAB)
 
     def choose(self, label: str, value: str) -> None:
-        """A dropdown: type the choice, Enter picks it (a custom value where allowed)."""
-        self.type(label, value, enter=True)
-        self.wait(lambda: self.field(label).get_attribute("value") == value or value in self.text(), 10, label)
+        """A dropdown: type the choice and click it in the list (Enter takes the first match, or a
+        custom value where the dropdown allows one)."""
+        el = self.field(label)
+        el.click()
+        el.send_keys(self.Keys.CONTROL, "a")
+        el.send_keys(self.Keys.DELETE)
+        el.send_keys(value)
+        options = self.d.find_elements(self.By.CSS_SELECTOR, f"li[role='option'][aria-label='{value}']")
+        shown = [o for o in options if o.is_displayed()]
+        if shown:
+            shown[0].click()
+        else:
+            el.send_keys(self.Keys.ENTER)
+        el.send_keys(self.Keys.TAB)
 
     def click_text(self, text: str) -> None:
         xpath = f"//button[normalize-space()='{text}' or .//span[normalize-space()='{text}']]"
@@ -372,7 +401,9 @@ def test_board_trains_the_demo_with_kt_ft(board, browser, demo_assets):
     # a rule no one has: kt-ft's message (file, key, value, choices) in the output box, nothing runs
     page.choose("kt_optimize_rule", "nope")
     page.click_text("Start")
-    page.wait(lambda: "kt_optimize_rule='nope': no such file and no built-in rule" in page.text(), 30, "the error")
+    page.wait(
+        lambda: "kt_optimize_rule='nope': no such file and no built-in rule" in page.text(), 30, "the error"
+    )
     assert "training_args.yaml: kt_optimize_rule='nope'" in page.text()
     assert "built-in rules: deepseek_v2" in page.text()
     assert not list(workdir.glob("saves/**/training_args.yaml"))
@@ -380,20 +411,32 @@ def test_board_trains_the_demo_with_kt_ft(board, browser, demo_assets):
     # the plan of a real rule, from config.json only
     page.choose("kt_optimize_rule", "qwen3_moe-torch")
     page.click_text("Plan (kt-ft rules plan)")
-    plan = page.wait(lambda: page.by_id("kt_ft_plan_box").text if "fits" in page.by_id("kt_ft_plan_box").text else "",
-                     60, "the plan")  # fmt: skip
-    assert "rule `qwen3_moe-torch`: fits the budget" in plan and "cpu" in plan
+    plan = page.wait(
+        lambda: "fits" in page.by_id("kt_ft_plan_box").text and page.by_id("kt_ft_plan_box").text,
+        60,
+        "the plan",
+    )
+    # as shown: markdown drops the backticks around the rule's name
+    assert "rule qwen3_moe-torch: fits the budget" in plan and "qwen3_moe-torch.yaml" in plan
 
     page.click_text("Start")
-    trainer_log = page.wait(lambda: next(workdir.glob("saves/Custom/lora/*/trainer_log.jsonl"), None), 90, "a run")
-    losses = page.wait(
-        lambda: [r["loss"] for r in map(json.loads, trainer_log.read_text().splitlines()) if "loss" in r]
-        if len([1 for line in trainer_log.read_text().splitlines() if '"loss"' in line]) >= 3 else None,
-        120,
-        "three losses",
-    )  # fmt: skip
+
+    def started():
+        assert "Failed." not in page.text(), "the run failed:\n" + page.text()[-3000:]
+        return next(workdir.glob("saves/Custom/lora/*/trainer_log.jsonl"), None)
+
+    trainer_log = page.wait(started, 90, "a run")
+
+    def losses():
+        rows = [json.loads(line) for line in trainer_log.read_text().splitlines() if line.strip()]
+        found = [r["loss"] for r in rows if "loss" in r]
+        return found if len(found) >= 3 else None
+
+    losses = page.wait(losses, 120, "three logged losses")
     assert all(0 < loss < 20 for loss in losses), losses
-    page.wait(lambda: "Finished." in page.text() and "'loss':" in page.text(), 60, "the board's finish and loss")
+    page.wait(
+        lambda: "Finished." in page.text() and "'loss':" in page.text(), 60, "the board's finish and loss"
+    )
     run_dir = trainer_log.parent
     recipe = (run_dir / "training_args.yaml").read_text()
     for line in ("use_kt: true", "kt_optimize_rule: qwen3_moe-torch", "cpu_infer: 2", "chunk_size: 128"):

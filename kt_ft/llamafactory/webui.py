@@ -48,11 +48,17 @@ LABELS: dict[str, dict[str, str]] = {
         "info": "A built-in rule or a YAML path; empty: the built-in rule of the model's family.",
     },
     "kt_backend": {"label": "kt_backend", "info": "CPU expert backend (auto: the fastest this CPU runs)."},
-    "cpu_infer": {"label": "cpu_infer", "info": "CPU threads for the expert operator; empty: cores minus a few."},
-    "chunk_size": {"label": "chunk_size", "info": "Max tokens per CPU expert call; longer batches are split."},
+    "cpu_infer": {
+        "label": "cpu_infer",
+        "info": "CPU threads for the expert operator; empty or 0: cores minus a few.",
+    },
+    "chunk_size": {
+        "label": "chunk_size",
+        "info": "Max tokens per CPU expert call; longer batches are split.",
+    },
     "kt_gpu_memory": {
         "label": "kt_gpu_memory",
-        "info": "placement: auto: GiB of the GPU the run may use; empty: its free memory at start.",
+        "info": "placement: auto: GiB of the GPU the run may use; empty or 0: its free memory at start.",
     },
     PLAN_BUTTON: {"value": "Plan (kt-ft rules plan)"},
     PLAN_BOX: {"value": "The plan of the model path and rule above: what goes where and its memory."},
@@ -68,7 +74,7 @@ def patch_locales_module(locales: ModuleType) -> None:
 
 def kt_train_args(values: dict[str, Any]) -> dict[str, Any]:
     """The recipe keys of the form's ``values`` (name -> value): none unless ``use_kt`` is ticked;
-    an empty rule, thread count or GPU cap is left out (the run's default)."""
+    an empty (or 0) rule, thread count, chunk size or GPU cap is left out (the run's default)."""
     if not values.get("use_kt"):
         return {}
     args: dict[str, Any] = {"use_kt": True, "kt_backend": values.get("kt_backend") or "auto"}
@@ -77,7 +83,8 @@ def kt_train_args(values: dict[str, Any]) -> dict[str, Any]:
         args["kt_optimize_rule"] = rule
     for key, kind in (("cpu_infer", int), ("chunk_size", int), ("kt_gpu_memory", float)):
         value = values.get(key)
-        if value is not None and value != "":
+        # an emptied number field comes back as 0 (or None): the key's default, as when left out
+        if value is not None and value != "" and value != 0:
             # gradio's Number gives floats; a whole float becomes the int the recipe key wants,
             # anything else is passed as typed so the check names the bad value
             args[key] = int(value) if kind is int and float(value).is_integer() else value
