@@ -105,36 +105,9 @@ def _rules_list(args: argparse.Namespace) -> int:
 def _rule_and_model(
     rule: str, model_dir: str | None, cpu_infer: int | None, kt_backend: str = "auto", cuda_count=None
 ):
-    """rule file -> RuleSet; with a model dir also its meta skeleton and planning-only plan."""
-    from .rules import load_rules, resolve_rule_path  # why: lazy CLI
+    from .planning import rule_and_model  # why: lazy CLI
 
-    path = resolve_rule_path(rule)
-    if path is None:
-        from .rules import builtin_rule_names  # why: lazy CLI
-
-        raise KTConfigError(
-            f"{rule}: no such rule file or built-in rule; built-in rules: {', '.join(builtin_rule_names())}"
-        )
-    rules = load_rules(path, cuda_count)
-    if model_dir is None:
-        return rules, None, None, None
-    from .hparams import default_cpu_infer  # why: lazy CLI
-    from .models import family_of  # why: lazy CLI
-    from .quant.detect import config_source, detect_format  # why: lazy CLI
-    from .rules import make_plan  # why: lazy CLI
-    from .rules.skeleton import checkpoint_dtype, load_config, meta_model  # why: lazy CLI
-
-    config = load_config(model_dir)
-    family = family_of(config)
-    detect_format(config, config_source(model_dir))  # a method kt-ft does not read: refused here
-    dtype, _ = checkpoint_dtype(model_dir, config)
-    if dtype.itemsize == 1:  # FP8 checkpoints: the rest is dequantized to bf16, the experts stay fp8
-        import torch
-
-        dtype = torch.bfloat16
-    model = meta_model(config, dtype)
-    plan = make_plan(model, rules, family, kt_backend, cpu_infer or default_cpu_infer(), planning_only=True)
-    return rules, model, plan, dtype
+    return rule_and_model(rule, model_dir, cpu_infer, kt_backend, cuda_count)
 
 
 def _rules_check(args: argparse.Namespace) -> int:
@@ -152,88 +125,25 @@ def _rules_check(args: argparse.Namespace) -> int:
 def _rules_plan(args: argparse.Namespace) -> int:
     import json
 
-    from .placement.auto import auto_layers, format_placement  # why: lazy CLI
-    from .placement.measure import parse_overrides  # why: lazy CLI
-    from .rules.report import TrainSizes, check_budgets, estimate, format_report  # why: lazy CLI
+    from .planning import PlanRequest, fits, format_plan, plan_report  # why: lazy CLI
 
-    overrides = parse_overrides(args.rates)
-    _, model, plan, dtype = _rule_and_model(args.rule, args.model, args.cpu_infer, args.kt_backend)
-    sizes = TrainSizes(args.cutoff_len, args.batch, args.lora_rank)
-    section = None
-    if auto_layers(plan) or overrides or args.remeasure:
-        section = _placement(model, plan, dtype, sizes, overrides, args.gpu_mem, args.remeasure)
-    from .quant.detect import detect_format  # why: lazy CLI
-    from .quant.loading import stored_linear_weights  # why: lazy CLI
-
-    # after placement: auto wrote its split into the plan; quantized experts count as stored, and
-    # so do the other linear weights a load keeps quantized
-    fmt = detect_format(model.config)
-    stored = stored_linear_weights(model, args.model, fmt) if fmt is not None else None
-    report = estimate(model, plan, dtype, sizes, expert_format=fmt, stored_weights=stored)
-    check_budgets(report, args.gpu_mem, args.cpu_mem)
-    if section is not None:
-        report["placement"] = section
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report, args.model) + (format_placement(section) if section else ""))
-    return 0 if all(d.get("fits", True) for d in report["devices"].values()) else 1
-
-
-def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict:
-    """Rates (overrides, the cache, or measured here), the auto split, and the prediction block."""
-    import torch
-
-    from .kernels import select_backend  # why: lazy CLI
-    from .placement.auto import (
-        layer_shape,
-        placement_section,
-        plan_auto,
-        training_device_key,
-    )  # why: lazy CLI
-    from .placement.measure import describe, machine_rates  # why: lazy CLI
-
-    first = plan.experts[0]
-    shape = layer_shape(model, first, dtype)
-    backend = select_backend(first.backend, torch.bfloat16)[0].name
-    rates = machine_rates(
-        shape,
-        backend,
-        first.threads or 1,
-        sizes.cutoff_len * sizes.batch,
-        sizes.lora_rank,
-        remeasure,
-        overrides,
-    )
-    cap = None
-    if gpu_mem is not None:
-        cap = int(gpu_mem * 2**30)
-    elif torch.cuda.is_available():
-        cap = torch.cuda.mem_get_info(0)[0]
-    elif rates.has_gpu and any(e.placement == "auto" for e in plan.experts):
-        raise KTConfigError(
-            "placement: auto with GPU rates needs a GPU memory cap here (no CUDA device to read it from): give --gpu-mem GiB"
+    report = plan_report(
+        PlanRequest(
+            rule=args.rule,
+            model=args.model,
+            gpu_mem=args.gpu_mem,
+            cpu_mem=args.cpu_mem,
+            cutoff_len=args.cutoff_len,
+            batch=args.batch,
+            lora_rank=args.lora_rank,
+            cpu_infer=args.cpu_infer,
+            kt_backend=args.kt_backend,
+            rates=args.rates,
+            remeasure=args.remeasure,
         )
-    # the run planned for trains on the rules' device, also when this machine lacks it (planning a
-    # GPU run from a CPU-only one): where it puts the expert LoRA counts against the budget
-    choice = plan_auto(
-        model,
-        plan,
-        dtype=dtype,
-        sizes=sizes,
-        rates=rates,
-        cap_bytes=cap,
-        training_device=torch.device(training_device_key(plan)),
     )
-    return placement_section(
-        model,
-        plan,
-        dtype=dtype,
-        sizes=sizes,
-        rates=rates,
-        choice=choice,
-        rate_lines=describe(rates, shape, sizes.lora_rank),
-    )
+    print(json.dumps(report, indent=2) if args.json else format_plan(report, args.model))
+    return 0 if fits(report) else 1
 
 
 def _bench(args: argparse.Namespace) -> int:

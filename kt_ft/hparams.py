@@ -138,9 +138,10 @@ class KTArguments:
         if self.use_kt:
             self.validate_kt()
 
-    def validate_kt(self) -> None:
-        """Check every kt-ft key at once; raise one KTConfigError listing all problems."""
-        src = recipe_source()
+    def validate_kt(self, *, source: str | None = None) -> None:
+        """Check every kt-ft key at once; raise one KTConfigError listing all problems, each naming
+        ``source`` (default: the recipe file on the command line; LlamaBoard passes the file it writes)."""
+        src = source or recipe_source()
         problems: list[str] = []
         if self.cpu_infer is None:
             self.cpu_infer = default_cpu_infer()

@@ -70,6 +70,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "kt_ft.llamafactory",
         "kt_ft.bench",
         "kt_ft.cli",
+        "kt_ft.planning",  # `kt-ft rules plan`'s computation (rate measurement: runtime), CLI and LlamaBoard
         "kt_ft.models.probe",
         "kt_ft.models.lf_check",
     ),

@@ -65,9 +65,10 @@ def make_kt_model_arguments(model_arguments: type) -> type:
     return cls
 
 
-def check_kt_run(model_args: Any, finetuning_args: Any) -> None:
-    """Recipe combinations kt-ft cannot run, refused before any weight is loaded."""
-    src = recipe_source()
+def check_kt_run(model_args: Any, finetuning_args: Any, *, source: str | None = None) -> None:
+    """Recipe combinations kt-ft cannot run, refused before any weight is loaded (``source``: the
+    file the messages name; default the recipe on the command line)."""
+    src = source or recipe_source()
     problems = []
     if finetuning_args.finetuning_type != "lora":
         problems.append(
