@@ -154,10 +154,24 @@ def _bench(args: argparse.Namespace) -> int:
         raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
     parts = args.parts.split(",")
     for part in parts:
-        if part not in ("op", "step", "placement", "e2e"):
+        if part not in ("op", "step", "placement", "e2e", "gen"):
             raise KTConfigError(
-                f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step, placement, e2e"
+                f"--parts {args.parts!r}: {part!r} is unknown; valid choices: op, step, placement, e2e, gen"
             )
+    if "gen" in parts:  # generation through LF's do_predict, kt-ft against merged (kt_ft/bench/generate.py)
+        from .bench.generate import run_generate  # why: LF runs only
+
+        try:
+            run_generate(preset=args.preset, layers=int(args.layers) if args.layers else None,
+                         system=args.gen_system, workdir=Path(args.workdir), threads=args.threads or 1,
+                         samples=args.gen_samples, batch=args.gen_batch, prompt_len=args.gen_prompt,
+                         max_new_tokens=args.gen_new_tokens, timeout_s=args.run_timeout,
+                         json_path=args.json if parts == ["gen"] else None)  # fmt: skip
+        except ValueError as e:
+            raise KTConfigError(str(e)) from None
+        parts = [p for p in parts if p != "gen"]
+        if not parts:
+            return 0
     if "e2e" in parts:  # the product path: `llamafactory-cli train` per system (kt_ft/bench/e2e.py)
         from .bench.e2e import DEFAULT_SYSTEMS, parse_systems, run_e2e  # why: LF runs only
 
@@ -319,7 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--parts",
         default="op,step",
         help="op (the CPU expert op alone), step (full training step), placement (tokens/s against the GPU "
-        "memory cap per expert placement), e2e (`llamafactory-cli train` per system: the product path)",
+        "memory cap per expert placement), e2e (`llamafactory-cli train` per system: the product path), "
+        "gen (generation through LF's do_predict: kt-ft against its adapter merged)",
     )
     bench.add_argument(
         "--e2e-systems",
@@ -349,6 +364,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--run-timeout", type=float, default=900, help="e2e part: seconds before a run is killed"
     )
+    bench.add_argument(
+        "--gen-system",
+        default="kt-cpu:torch",
+        help="gen part: the kt-ft system (kt-cpu:<backend>, kt-auto, ...)",
+    )
+    bench.add_argument("--gen-samples", type=int, default=16, help="gen part: prompts")
+    bench.add_argument("--gen-batch", type=int, default=8, help="gen part: per_device_eval_batch_size")
+    bench.add_argument("--gen-prompt", type=int, default=256, help="gen part: prompt tokens")
+    bench.add_argument("--gen-new-tokens", type=int, default=64, help="gen part: max_new_tokens (greedy)")
     bench.add_argument(
         "--systems",
         default="kt-ft,kt-ft-stream,kt-ft-auto,peft-gpu,offload",
