@@ -1,8 +1,8 @@
 """Start-up hook, run by ``kt_ft_activate.pth`` in every Python process.
 
 It only registers an import hook: when (and if) LLaMA-Factory's argument parser, model
-loader, training entry (tuner), SFT workflow or LlamaBoard's Train tab, runner and labels are
-imported, kt-ft's patches are applied right after the module body has run.
+loader, training entry (tuner), SFT workflow, chat engine or LlamaBoard's Train tab, runner and
+labels are imported, kt-ft's patches are applied right after the module body has run.
 Nothing heavy is imported here, so a process that never imports llamafactory pays about
 nothing. Set ``KT_FT_DISABLE=1`` to turn the hook off.
 """
@@ -23,6 +23,7 @@ POST_IMPORT_PATCHES = {
     "llamafactory.model.loader": "kt_ft.llamafactory.patches:patch_loader_module",
     "llamafactory.train.tuner": "kt_ft.llamafactory.trainer_hooks:patch_tuner_module",
     "llamafactory.train.sft.workflow": "kt_ft.llamafactory.patches:patch_sft_workflow_module",
+    "llamafactory.chat.hf_engine": "kt_ft.llamafactory.chat:patch_hf_engine_module",
     # LlamaBoard (llamafactory-cli webui): the kt-ft fields of the Train tab
     "llamafactory.webui.locales": "kt_ft.llamafactory.webui:patch_locales_module",
     "llamafactory.webui.components.train": "kt_ft.llamafactory.webui:patch_train_tab_module",

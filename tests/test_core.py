@@ -134,3 +134,39 @@ def test_easily_swapped_arguments_are_keyword_only():
     ):
         with pytest.raises(TypeError):
             call()
+
+
+MIXED_RULE = (  # 2 resident and 3 streamed experts per layer beside the CPU op (the "GPU" is the CPU here)
+    "- match:\n    name: '^model\\.layers\\.\\d+\\.mlp\\.experts$'\n"
+    "  replace:\n    device: cpu\n    backend: torch\n    gpu_experts: 2\n    stream: 3\n"
+    "- default: {device: cuda}\n"
+)
+
+
+@pytest.mark.parametrize("placement", ["cpu op", "resident and streamed"])
+def test_an_inference_mode_call_leaves_the_op_usable_outside_it(placement, tmp_path):
+    """LLaMA-Factory's chat engine answers `chat` under torch.inference_mode and `stream_chat` in a
+    thread under plain no_grad; training may follow in the same process. A first call in inference
+    mode must not leave the op's persistent buffers and caches as inference tensors: the no_grad call
+    after it gives the same logits, and a training step after both reaches the expert LoRA."""
+    rule = "qwen3_moe-torch"
+    if placement != "cpu op":
+        rule = tmp_path / "rule.yaml"
+        rule.write_text(MIXED_RULE)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 97, (2, 10))
+    model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules=ATTN, lora_dropout=0.0))
+    run = kt_ft.apply(model, kt_ft.KTConfig(rule=str(rule), rank=4, alpha=8, threads=1, seed=1))
+    model.eval()
+    with torch.inference_mode():
+        first = model(input_ids=ids).logits
+    with torch.no_grad():
+        second = model(input_ids=ids).logits
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in run.expert_lora()}
+    assert all(g is not None for g in grads.values())
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if n.endswith("_b")), (
+        "no gradient reached the expert LoRA"
+    )

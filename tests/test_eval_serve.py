@@ -14,14 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,7 +23,8 @@ import torch
 pytest.importorskip("llamafactory")
 
 from kt_adapters import lf_load  # noqa: E402
-from lf_runs import REPO, failure_text, finish, start_train  # noqa: E402
+from lf_api import MISSING_API, http_json, start_api, stop_api, stream_text  # noqa: E402
+from lf_runs import failure_text, finish, start_train  # noqa: E402
 
 from kt_ft.export import merge_adapter  # noqa: E402
 from kt_ft.kernels import BACKENDS  # noqa: E402
@@ -42,8 +36,6 @@ NEED_METRICS = pytest.mark.skipif(
     reason=f"LLaMA-Factory's predict_with_generate scores BLEU/ROUGE with jieba, nltk, rouge-chinese; "
     f"not importable here: {', '.join(MISSING_METRICS)} (requirements/stack.txt has them: `make install`)",
 )
-API_PACKAGES = ("fastapi", "uvicorn", "sse_starlette")
-MISSING_API = [p for p in API_PACKAGES if importlib.util.find_spec(p) is None]
 
 PROMPTS = ["Add 12 and 13.", "Reverse the word.\ncat", "How many words are in the list?\nfish bird cloud"]
 NEW_TOKENS = 12
@@ -269,24 +261,13 @@ def test_eval_loss_during_training(demo_assets, tmp_path):
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(url: str, body: dict | None = None, timeout: float = 60) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 @pytest.mark.lf_subprocess
 @pytest.mark.skipif(bool(MISSING_API), reason=f"LLaMA-Factory's api needs {', '.join(MISSING_API)}")
 def test_api_serves_the_adapter(saved_adapter, demo_assets, tmp_path):
     """`llamafactory-cli api` with the adapter and use_kt: an OpenAI-style chat completion gets a
-    non-empty answer; SIGINT stops the server cleanly."""
+    non-empty answer, and the same request streamed the same answer (LLaMA-Factory answers the
+    first under inference_mode, the stream in a plain thread: the expert op's buffers serve both);
+    SIGINT stops the server cleanly."""
     _, adapter, _, _ = saved_adapter
     recipe = tmp_path / "serve.yaml"
     recipe.write_text(
@@ -304,47 +285,22 @@ def test_api_serves_the_adapter(saved_adapter, demo_assets, tmp_path):
             }.items()
         )
     )
-    port = _free_port()
     log_path = tmp_path / "api.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("llamafactory-cli")), "api", str(recipe)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "API_HOST": "127.0.0.1", "API_PORT": str(port)},
-        )
-        try:
-            base = f"http://127.0.0.1:{port}/v1"
-            deadline = time.monotonic() + 180
-            while True:
-                assert proc.poll() is None, failure_text(log_path.read_text())
-                try:
-                    assert _http(f"{base}/models", timeout=5)["data"], "no model listed"
-                    break
-                except (urllib.error.URLError, ConnectionError):
-                    assert time.monotonic() < deadline, (
-                        "api not ready after 180 s\n" + log_path.read_text()[-3000:]
-                    )
-                    time.sleep(0.5)
-            reply = _http(
-                f"{base}/chat/completions",
-                {
-                    "model": "demo",
-                    "messages": [{"role": "user", "content": PROMPTS[0]}],
-                    "do_sample": False,
-                    "max_tokens": NEW_TOKENS,
-                },
-            )
-            answer = reply["choices"][0]["message"]["content"]
-            assert answer.strip(), reply
-            assert reply["usage"]["completion_tokens"] > 0, reply
-            proc.send_signal(signal.SIGINT)
-            rc = proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    proc, base = start_api(recipe, log_path)
+    request = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": PROMPTS[0]}],
+        "do_sample": False,
+        "max_tokens": NEW_TOKENS,
+    }
+    try:
+        reply = http_json(f"{base}/chat/completions", request)
+        answer = reply["choices"][0]["message"]["content"]
+        assert answer.strip(), reply
+        assert reply["usage"]["completion_tokens"] > 0, reply
+        assert stream_text(f"{base}/chat/completions", request) == answer
+    finally:
+        rc = stop_api(proc)
     text = log_path.read_text()
     assert "loaded expert LoRA from" in text, text[-3000:]
     assert rc == 0, f"api exited {rc}\n{text[-3000:]}"

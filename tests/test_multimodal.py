@@ -1,9 +1,10 @@
 """Vision-language MoE (Qwen3-VL-MoE) through LLaMA-Factory with kt-ft: images, LoRA scopes, parity,
-checkpoints, export and chat, on the tiny demo of ``kt-ft make-demo-vl-model``.
+checkpoints and export, on the tiny demo of ``kt-ft make-demo-vl-model`` (chat with the adapter:
+``test_multimodal_chat.py``).
 
-LLaMA-Factory runs in this process (``run_exp``, as ``llamafactory-cli train`` calls it): its import
-is paid once and each tiny run takes about a second. One trained run (vision + language LoRA, 4
-steps, a checkpoint at step 2) is shared by the checkpoint, resume, export and chat tests.
+LLaMA-Factory runs in this process (``vl_runs.train``, as ``llamafactory-cli train`` calls it): its
+import is paid once and each tiny run takes about a second. One trained run (vision + language LoRA,
+4 steps, a checkpoint at step 2) is shared by the checkpoint, resume and export tests.
 
 What "changed" means in the scope tests: a LoRA tensor whose value at the end (step 4) differs from
 its value at the checkpoint of step 2; a group with no LoRA tensor in the adapter did not change.
@@ -20,6 +21,8 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("llamafactory")
 
+from vl_runs import train  # noqa: E402
+
 from kt_ft.demo_vl import VL_DEMOS, make_demo_vl_model  # noqa: E402
 from kt_ft.llamafactory.patch_embed import PatchConv3dAsMatmul, conv3d_refused, replace_patch_conv3d  # noqa: E402
 
@@ -29,52 +32,6 @@ LOSS_RTOL = 1e-5
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def train(assets: Path, out: Path, **overrides) -> Path:
-    """One ``llamafactory-cli train`` of the demo recipe, in this process; returns ``out``."""
-    from llamafactory.train.tuner import run_exp
-
-    args = dict(
-        model_name_or_path=str(assets / "model"),
-        stage="sft",
-        do_train=True,
-        finetuning_type="lora",
-        lora_rank=8,
-        lora_alpha=16,
-        lora_target="all",
-        use_kt=True,
-        cpu_infer=2,
-        chunk_size=256,
-        kt_backend="torch",
-        dataset_dir=str(assets / "data"),
-        dataset="kt_demo_vl",
-        template="qwen3_vl_nothink",
-        cutoff_len=128,
-        image_max_pixels=4096,
-        max_samples=16,
-        overwrite_cache=True,
-        preprocessing_num_workers=1,
-        dataloader_num_workers=0,
-        output_dir=str(out),
-        logging_steps=1,
-        save_steps=2,
-        overwrite_output_dir=True,
-        plot_loss=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        # AdamW's default eps (1e-8) turns rounding-level gradient differences of near-zero
-        # entries into full lr-sized steps; 1e-3 keeps runs that differ only in summation order
-        # comparable step by step (as test_resident.py's adamw)
-        adam_epsilon=1e-3,
-        max_steps=4,
-        lr_scheduler_type="constant",
-        seed=42,
-        bf16=False,
-    )
-    run_exp({**args, **overrides})
-    return out
 
 
 def step_losses(out: Path) -> dict[int, float]:
@@ -520,33 +477,3 @@ def test_convert_writes_per_expert_keys_under_the_language_model(both_run, tmp_p
             assert torch.equal(got[key], fused[f"layers.{layer}.experts.down_lora_b"][e])
     assert {k: v for k, v in got.items() if k not in experts}.keys() == peft.keys()
     assert any(".visual.blocks." in k for k in peft)
-
-
-def test_chat_answers_about_an_image(both_run, vl_assets, tmp_path):
-    """LLaMA-Factory's ChatModel (what `llamafactory-cli chat` runs) with the trained adapter and
-    use_kt generates for a picture, greedily, the same tokens as the merged model without kt-ft."""
-    from llamafactory.chat import ChatModel
-    from PIL import Image
-
-    from kt_ft.cli import main
-
-    assert main(["merge", str(both_run), str(tmp_path / "merged")]) == 0
-    image = Image.open(vl_assets / "data" / "images" / "001.png").convert("RGB")
-    messages = [{"role": "user", "content": "<image>What is in the picture?"}]
-    common = dict(template="qwen3_vl_nothink", image_max_pixels=4096, do_sample=False, max_new_tokens=6)
-    kt = ChatModel(
-        dict(
-            model_name_or_path=str(vl_assets / "model"),
-            adapter_name_or_path=str(both_run),
-            finetuning_type="lora",
-            use_kt=True,
-            cpu_infer=1,
-            kt_backend="torch",
-            **common,
-        )
-    ).chat(messages, images=[image])[0]
-    plain = ChatModel(dict(model_name_or_path=str(tmp_path / "merged"), **common)).chat(
-        messages, images=[image]
-    )[0]
-    assert kt.response_length >= 1 and kt.prompt_length > 4  # the picture's tokens are in the prompt
-    assert kt.response_text == plain.response_text

@@ -26,6 +26,8 @@ the original forward unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,6 +93,9 @@ def install(model: nn.Module) -> str | None:
         return f"the model's loss is {lm.loss_type}, not ForCausalLM"
     original = lm.forward
 
+    # the original's signature (inspect follows __wrapped__): the HF Trainer keeps only the dataset
+    # columns the forward names (remove_unused_columns)
+    @functools.wraps(original)
     def forward(*args, labels=None, **kwargs):
         head = lm.lm_head
         keep = kwargs.get("logits_to_keep", 0)

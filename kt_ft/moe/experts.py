@@ -193,6 +193,18 @@ class KTExperts(nn.Module):
         return [p for n, p in self.named_parameters(recurse=False) if n.endswith(("_proj", "_proj_bias"))]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if torch.is_inference_mode_enabled():
+            # Never in inference mode: the op's scratch buffers, saved-tensor sets, pinned staging
+            # and LoRA caches outlive the call, and a tensor created in inference mode can be
+            # neither written nor saved for backward outside it. LLaMA-Factory's chat engine
+            # answers `chat` under inference_mode but `stream_chat` (the CLI, the api's streams)
+            # in a thread under plain no_grad: one after the other in one process would fail.
+            # The inference tensors coming in are only read, which plain mode allows.
+            with torch.inference_mode(False), torch.no_grad():
+                return self._forward(hidden_states, top_k_index, top_k_weights)
+        return self._forward(hidden_states, top_k_index, top_k_weights)
+
+    def _forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         if self.skip_routed:
             if self.beside is not None:  # the block computes its shared branch itself, as usual
                 self.beside.skip()
