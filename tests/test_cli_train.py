@@ -149,3 +149,39 @@ def test_placement_auto_through_llamafactory(demo_assets, tmp_path):
     if not torch.cuda.is_available():
         assert "every routed expert on the CPU" in log, log[-3000:]
     assert (out / "fused_expert_lora.safetensors").is_file()
+
+
+def test_gpu_placements_train_like_the_cpu_through_llamafactory(demo_assets, tmp_path):
+    """Resident and streamed experts (on the CPU as the "device": a rule's `cuda` falls back to it
+    without CUDA; the split, the device products and their LoRA caches run as on a GPU) against
+    every expert on the CPU, through `llamafactory-cli train` with its default optimizer (fused
+    AdamW, which leaves version counters alone: a LoRA cache keyed on them alone kept step 1's LoRA
+    and parted the losses from step 2 on by ~1e-3). fp32, lr 1e-2 so the LoRA moves; losses of 4
+    steps and the adapters within lf_runs' bounds."""
+    from lf_runs import assert_close_runs
+
+    runs = {}
+    for name, experts in (
+        ("cpu", None),
+        ("resident", "gpu_experts: 3"),
+        ("streamed", "gpu_experts: 1, stream: 4"),
+    ):
+        extra = [
+            "max_steps=4",
+            "save_steps=4",
+            "logging_steps=1",
+            "learning_rate=1.0e-2",
+            "adam_epsilon=1.0e-3",
+        ]
+        if experts is not None:
+            rule = tmp_path / f"{name}.yaml"
+            rule.write_text(
+                "- match: {class: Qwen3MoeExperts}\n"
+                f"  replace: {{device: cpu, backend: torch, {experts}}}\n"
+                "- include: qwen3_moe\n"
+            )
+            extra.append(f"kt_optimize_rule={rule}")
+        train_cli(demo_assets, tmp_path / name, *extra)
+        runs[name] = tmp_path / name
+    for name in ("resident", "streamed"):
+        assert_close_runs(runs[name], runs["cpu"], [1, 2, 3, 4])
