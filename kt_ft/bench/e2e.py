@@ -393,6 +393,16 @@ def last_half_rate(rows: list[dict], skip_step: int | None = None) -> float | No
 _PREDICTED = re.compile(r"predicted step ([0-9.]+) ms")
 
 
+def llamafactory_cli() -> str:
+    """The ``llamafactory-cli`` on PATH, else the one beside this Python."""
+    return shutil.which("llamafactory-cli") or str(Path(sys.executable).with_name("llamafactory-cli"))
+
+
+def lf_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment, offline (no hub), plus ``extra``: what each LF run gets."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(extra or {})}
+
+
 def run_system(
     system: System,
     recipe: Path,
@@ -406,7 +416,7 @@ def run_system(
     env: dict[str, str] | None = None,
 ) -> E2ERecord:
     """One `llamafactory-cli train recipe` in its own process, measured from outside."""
-    cli = shutil.which("llamafactory-cli") or str(Path(sys.executable).with_name("llamafactory-cli"))
+    cli = llamafactory_cli()
     log_path = run_dir / "train.log"
     idle = host_used_bytes()
     t0 = time.perf_counter()
@@ -415,7 +425,7 @@ def run_system(
             [cli, "train", str(recipe)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})},
+            env=lf_env(env),
         )
         try:
             rc = proc.wait(timeout=timeout_s)

@@ -18,7 +18,6 @@ compared text for text (they may part where a bf16 product rounds differently).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from .e2e import DATASET, parse_systems, write_assets, write_recipe
+from .e2e import DATASET, lf_env, llamafactory_cli, parse_systems, write_assets, write_recipe
 
 GEN_DATASET = "kt_gen"
 
@@ -69,15 +68,13 @@ def write_prompts(data_dir: Path, tokenizer, samples: int, prompt_len: int) -> N
     (data_dir / "dataset_info.json").write_text(json.dumps(info))
 
 
-def _lf(recipe: Path, log: Path, timeout_s: float, env: dict | None = None) -> tuple[int, float]:
+def _lf(recipe: Path, log: Path, timeout_s: float) -> tuple[int, float]:
     """``llamafactory-cli train recipe`` -> (exit code, seconds); output to ``log``."""
-    cli = Path(sys.executable).with_name("llamafactory-cli")
-    cmd = [str(cli) if cli.exists() else "llamafactory-cli", "train", str(recipe)]
     t0 = time.perf_counter()
     with log.open("w") as f:
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                env={**os.environ, "DISABLE_VERSION_CHECK": "1", **(env or {})}).returncode  # fmt: skip
+            rc = subprocess.run([llamafactory_cli(), "train", str(recipe)], stdout=f, stderr=subprocess.STDOUT,
+                                timeout=timeout_s, env=lf_env()).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = 124
     return rc, time.perf_counter() - t0

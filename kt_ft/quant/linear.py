@@ -50,7 +50,7 @@ class QuantizedLinear(nn.Linear):
             raise ValueError(f"QuantizedLinear: {fmt.name} needs stored tensors {names}; missing {missing}")
         self._first = (names[0], stored[names[0]].dtype)
         self.weight = nn.Parameter(stored[names[0]].contiguous().view(torch.uint8), requires_grad=False)
-        self._others = [n for n in names[1:]]
+        self._others = list(names[1:])
         for n in self._others:
             self.register_buffer(_buffer(n), stored[n])
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
