@@ -477,3 +477,48 @@ def test_convert_writes_per_expert_keys_under_the_language_model(both_run, tmp_p
             assert torch.equal(got[key], fused[f"layers.{layer}.experts.down_lora_b"][e])
     assert {k: v for k, v in got.items() if k not in experts}.keys() == peft.keys()
     assert any(".visual.blocks." in k for k in peft)
+
+
+def test_chunked_loss_of_a_vision_language_model_with_its_aux_loss(vl_assets):
+    """The chunked loss (kt_ft/models/lm_loss.py) on the Qwen3-VL-MoE composite, its router's
+    auxiliary loss on (its weight lives in the text config): loss and every gradient as the model's
+    own forward (fp32: rel 1e-5, 1e-5 of the largest gradient), text-only input."""
+    import copy
+    import os
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    import kt_ft
+    from kt_ft.models import lm_loss
+
+    config = AutoConfig.from_pretrained(vl_assets / "model")
+    config.text_config.output_router_logits = True
+    config.text_config.router_aux_loss_coef = 0.05
+    torch.manual_seed(0)
+    base = get_peft_model(
+        AutoModelForImageTextToText.from_config(config, dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    twin = copy.deepcopy(base)
+    cfg = dict(rank=4, alpha=8, threads=1, seed=1)
+    kt_ft.apply(base, kt_ft.KTConfig(**cfg))
+    os.environ["KT_FT_CHUNKED_LOSS"] = "0"
+    try:
+        kt_ft.apply(twin, kt_ft.KTConfig(**cfg))
+    finally:
+        del os.environ["KT_FT_CHUNKED_LOSS"]
+    assert getattr(lm_loss.causal_lm_module(base), "_kt_ft_chunked_loss", False)
+    ids = torch.randint(10, 200, (2, 16), generator=torch.Generator().manual_seed(1))
+    outs, grads = [], []
+    for m in (base, twin):
+        m.train()
+        out = m(input_ids=ids, labels=ids, output_router_logits=True)
+        assert out.aux_loss is not None
+        out.loss.backward()
+        outs.append(out.loss.detach())
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=0)
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n, g in grads[1].items():
+        torch.testing.assert_close(grads[0][n], g, rtol=0, atol=1e-5 * g.abs().max().item() + 1e-12, msg=n)

@@ -16,7 +16,7 @@ auxiliary loss added as the model would (``router_aux_loss_coef``). The gradient
 transformers' too: the float32 gradient of the logits (softmax - one-hot, over the divisor) cast
 to the model's dtype, times ``W``; the incoming gradient (the trainer's 1 / accumulation steps) is
 applied afterwards in float32, exact for powers of two. Only where that is the whole story:
-``lm_head`` a frozen plain ``nn.Linear``, the model's loss ``ForCausalLM``, no logit scaling or
+``lm_head`` a frozen plain ``nn.Linear``, the model's loss ``ForCausalLMLoss``, no logit scaling or
 soft-capping in its config (``supported``); elsewhere the model's own forward runs.
 
 ``install(model)`` swaps the forward of the model's causal-LM module (an instance attribute: the
@@ -89,8 +89,10 @@ def install(model: nn.Module) -> str | None:
     head = lm.lm_head
     if type(head) is not nn.Linear:
         return f"lm_head is a {type(head).__name__} (LoRA or another wrapper), not a plain nn.Linear"
-    if getattr(lm, "loss_type", None) not in (None, "ForCausalLM"):
-        return f"the model's loss is {lm.loss_type}, not ForCausalLM"
+    from transformers.loss.loss_utils import ForCausalLMLoss  # why: transformers loads with the model
+
+    if getattr(lm, "loss_function", None) is not ForCausalLMLoss:  # (ForConditionalGeneration maps to it)
+        return f"the model's loss is {getattr(lm, 'loss_type', None)}, not transformers' ForCausalLMLoss"
     original = lm.forward
 
     # the original's signature (inspect follows __wrapped__): the HF Trainer keeps only the dataset
@@ -124,7 +126,7 @@ def install(model: nn.Module) -> str | None:
         loss = chunked_lm_loss(h, head.weight, head.bias, targets, divisor)
         aux = getattr(out, "aux_loss", None)
         if aux is not None:  # the model adds it only when it computed the loss itself
-            loss = loss + lm.router_aux_loss_coef * aux.to(loss.device)
+            loss = loss + _aux_coef(lm) * aux.to(loss.device)
         # item assignment: a ModelOutput keeps its dict and attributes in step only this way
         out["loss"] = loss
         out["logits"] = None  # nothing of [tokens, vocab] leaves the call
@@ -133,6 +135,19 @@ def install(model: nn.Module) -> str | None:
     lm.forward = forward
     lm._kt_ft_chunked_loss = True
     return None
+
+
+def _aux_coef(lm: nn.Module) -> float:
+    """The MoE auxiliary loss's weight where the model keeps it: on the module (text models), else
+    in its (text) config (vision-language models)."""
+    for owner in (lm, lm.config, _text_config(lm.config)):
+        coef = getattr(owner, "router_aux_loss_coef", None)
+        if coef is not None:
+            return coef
+    raise RuntimeError(
+        f"{type(lm).__name__} returned an auxiliary loss but names no router_aux_loss_coef: "
+        "set KT_FT_CHUNKED_LOSS=0 (its own loss) for this model"
+    )
 
 
 def chunked_lm_loss(
