@@ -149,10 +149,15 @@ def _rules_plan(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from .bench.op import PRESETS, available_backends, run, write_json  # why: torch on use only
     from .bench.step import STEP_SYSTEMS, run_step  # why: lazy CLI
+    from .bench.vl_assets import VL_PRESETS  # why: lazy CLI
 
-    if args.preset not in PRESETS:
-        raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(PRESETS)}")
     parts = args.parts.split(",")
+    if args.preset in VL_PRESETS and parts != ["e2e"]:
+        raise KTConfigError(f"--preset {args.preset!r} (vision-language) runs with --parts e2e only")
+    if args.preset not in PRESETS and args.preset not in VL_PRESETS:
+        raise KTConfigError(
+            f"--preset {args.preset!r} is unknown; valid choices: {', '.join([*PRESETS, *VL_PRESETS])}"
+        )
     for part in parts:
         if part not in ("op", "step", "placement", "e2e", "gen"):
             raise KTConfigError(

@@ -53,6 +53,8 @@ from .. import settings
 from ..demo import train_tokenizer
 from ..models import FAMILIES
 from .models import MODEL_CONFIGS, build_model_dir
+from .vl_assets import TEMPLATE as VL_TEMPLATE
+from .vl_assets import is_vl, real_layers, write_vl_assets
 
 GIB = 2**30
 DATASET = "kt_e2e"
@@ -119,7 +121,7 @@ def write_assets(
     tokenizer trained here) and ``workdir/data`` (``examples`` alpaca examples, each longer than
     ``cutoff_len`` tokens). Kept and reused when ``workdir/assets.json`` says they match.
     Returns (model dir, data dir, layers)."""
-    real = MODEL_CONFIGS[preset][1]["num_hidden_layers"]
+    real = real_layers(preset) if is_vl(preset) else MODEL_CONFIGS[preset][1]["num_hidden_layers"]
     layers = real if layers is None else layers
     if not 1 <= layers <= real:
         raise ValueError(f"--layers {layers}: {preset} has {real} decoder layers (valid: 1..{real})")
@@ -137,6 +139,10 @@ def write_assets(
     # ~1.5 tokens a word once the tokenizer has merged the syllables: 2x cutoff words is plenty;
     # the length is checked below with the trained tokenizer
     texts = [" ".join(rnd.choice(vocab_words) for _ in range(2 * cutoff_len)) for _ in range(examples)]
+    if is_vl(preset):  # pictures with long answers; the tokenizer and processor of a VL model
+        write_vl_assets(workdir, preset, layers, cutoff_len, examples, texts, DATASET, seed)
+        stamp.write_text(json.dumps(want))
+        return model_dir, data_dir, layers
     # no larger than the model's vocabulary: LLaMA-Factory would resize the embeddings otherwise
     vocab = min(2048, MODEL_CONFIGS[preset][1]["vocab_size"])
     tokenizer = train_tokenizer(texts[:64] + ["user assistant system"], vocab_size=vocab)
@@ -176,7 +182,7 @@ def write_rule(run_dir: Path, preset: str, system: System) -> Path | None:
     """The optimize rule of ``system`` (None: the family's built-in rule, all experts on the CPU)."""
     if system.kind not in ("auto", "stream"):
         return None
-    family = FAMILIES[MODEL_CONFIGS[preset][0]]
+    family = FAMILIES["qwen3_vl_moe" if is_vl(preset) else MODEL_CONFIGS[preset][0]]
     place = {"placement": "auto"} if system.kind == "auto" else {"stream": "all"}
     rule = [
         {"include": family.builtin_rule},
@@ -213,7 +219,7 @@ def write_recipe(
         "lora_target": "all",
         "dataset_dir": str(data_dir),
         "dataset": DATASET,
-        "template": "qwen",
+        "template": VL_TEMPLATE if is_vl(preset) else "qwen",
         "cutoff_len": cutoff_len,
         "overwrite_cache": True,
         "preprocessing_num_workers": max(1, min(8, threads)),
