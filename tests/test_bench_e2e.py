@@ -4,6 +4,7 @@ outside. No speed is asserted; the runs must train, log their rate and agree on 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -119,20 +120,20 @@ def test_loss_agreement_compares_the_kt_ft_systems_step_by_step():
 @pytest.mark.lf_subprocess
 def test_e2e_tiny_vision_language_trains_with_pictures(tmp_path, capsys):
     """`--preset tiny-vl`: a Qwen3-VL-MoE with its processor and pictures paired with long texts,
-    trained by peft and kt-ft through `llamafactory-cli train`; first-step losses agree (rel 1e-4,
-    fp32 on the CPU) and the examples carry their pictures."""
+    trained by kt-ft through `llamafactory-cli train` (its losses against use_kt: false with
+    pictures: test_multimodal.py); the examples carry their pictures, the recipe the VL template."""
     out = tmp_path / "e2e.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kt_ft.cli", "bench", "--parts", "e2e", "--preset", "tiny-vl", "--seq", "128",
          "--e2e-steps", "2", "--grad-accum", "1", "--threads", "1", "--cpu-infer", "1",
-         "--e2e-systems", "peft,kt-cpu:torch", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+         "--e2e-systems", "kt-cpu:torch", "--workdir", str(tmp_path / "work"), "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = {r["system"]: r for r in json.loads(out.read_text())["records"]}
-    assert set(records) == {"peft", "kt-cpu:torch"} and all(r["rc"] == 0 for r in records.values())
-    a, b = records["kt-cpu:torch"]["first_loss"], records["peft"]["first_loss"]
-    assert abs(a - b) <= 1e-4 * abs(b), (a, b)
+    (r,) = records.values()
+    assert r["system"] == "kt-cpu:torch" and r["rc"] == 0 and r["steps_logged"] == 2 and r["tok_s"] > 0, r
+    assert all(math.isfinite(x) for x in r["losses"])
     work = tmp_path / "work"
     assert json.loads((work / "model" / "config.json").read_text())["model_type"] == "qwen3_vl_moe"
     rows = json.loads((work / "data" / "kt_e2e.json").read_text())
