@@ -167,11 +167,12 @@ def demo_vl_examples(data_dir: Path, n: int = 64, seed: int = 0) -> list[dict[st
     return out
 
 
-def dataset_info() -> dict[str, Any]:
-    """LLaMA-Factory's ``dataset_info.json`` entry of the demo dataset (sharegpt, images column)."""
+def dataset_info(name: str = DATASET_NAME) -> dict[str, Any]:
+    """LLaMA-Factory's ``dataset_info.json`` entry of dataset ``name`` (sharegpt messages, an images
+    column; the file ``name.json``)."""
     return {
-        DATASET_NAME: {
-            "file_name": f"{DATASET_NAME}.json",
+        name: {
+            "file_name": f"{name}.json",
             "formatting": "sharegpt",
             "columns": {"messages": "messages", "images": "images"},
             "tags": {

@@ -146,3 +146,26 @@ def test_e2e_tiny_vision_language_trains_with_pictures(tmp_path, capsys):
 
     assert main(["bench", "--parts", "op", "--preset", "tiny-vl"]) == 2  # a VL preset: the e2e part only
     assert "runs with --parts e2e only" in capsys.readouterr().err
+
+
+def test_the_qwen3_vl_preset_builds_on_meta():
+    """The full-size vision-language preset's config makes the model (on meta: no memory), its
+    language model Qwen3-30B-A3B's shapes, its vision tower feeding the language model's width."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from kt_ft.bench.models import MODEL_CONFIGS
+    from kt_ft.bench.vl_assets import VL_PRESETS
+
+    text, vision, _ = VL_PRESETS["qwen3-vl-30b-a3b"]
+    config = AutoConfig.for_model("qwen3_vl_moe", text_config={**text, "num_hidden_layers": 2},
+                                  vision_config=dict(vision), tie_word_embeddings=False)  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    qwen3 = MODEL_CONFIGS["qwen3-30b-a3b"][1]
+    experts = model.model.language_model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj.shape) in (
+        (qwen3["num_experts"], 2 * qwen3["moe_intermediate_size"], qwen3["hidden_size"]),
+        (qwen3["num_experts"], qwen3["hidden_size"], 2 * qwen3["moe_intermediate_size"]),
+    )
+    assert config.vision_config.out_hidden_size == qwen3["hidden_size"] and config.vision_config.depth == 27

@@ -18,6 +18,23 @@ from kt_ft.kernels import LORA_NAMES
 from kt_ft.models import unwrap_peft
 
 
+def _plain_twin(model, ref, run) -> None:
+    """Give the expert LoRA of ``run`` (kt-ft's, on ``model``) non-zero B, so the expert-LoRA path
+    counts from the first step, and put the same LoRA, computed by test_parity's plain loop, in
+    the experts of ``ref`` (a copy of ``model`` made before ``kt_ft.apply``)."""
+    with torch.no_grad():
+        for n, p in run.expert_lora():
+            if n.endswith("_b"):
+                p.normal_(0, 0.05)
+    for name, m in model.named_modules():
+        if hasattr(m, "runner"):
+            parent_name, _, child = name.rpartition(".")
+            parent = ref.get_submodule(parent_name)
+            copies = {n: getattr(m, n).detach() for n in LORA_NAMES}
+            plain = PlainLoRAExperts(unwrap_peft(getattr(parent, child)), copies, m.scaling, m.spec)
+            setattr(parent, child, plain)
+
+
 def test_apply_on_a_plain_peft_model_trains_like_the_reference():
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")
@@ -35,17 +52,7 @@ def test_apply_on_a_plain_peft_model_trains_like_the_reference():
     assert run.summary.backend == "torch" and run.summary.layers == [0, 1]
     lora = dict(run.expert_lora())
     assert len(lora) == 6 * 2 and all(p.requires_grad for p in lora.values())
-    with torch.no_grad():  # non-zero B: the expert-LoRA path counts from the first step
-        for n, p in lora.items():
-            if n.endswith("_b"):
-                p.normal_(0, 0.05)
-    for name, m in model.named_modules():
-        if hasattr(m, "runner"):
-            parent_name, _, child = name.rpartition(".")
-            parent = ref.get_submodule(parent_name)
-            hf = unwrap_peft(getattr(parent, child))
-            copies = {n: getattr(m, n).detach() for n in LORA_NAMES}
-            setattr(parent, child, PlainLoRAExperts(hf, copies, config.scaling, m.spec))
+    _plain_twin(model, ref, run)
     got, want = train(model, batches, 4, gc=True), train(ref, batches, 4, gc=True)
     assert run.step(1) is False  # no placement: auto layer: nothing to re-plan
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
@@ -69,17 +76,7 @@ def test_apply_under_the_hf_trainer_trains_like_the_reference(tmp_path):
     model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules=ATTN, lora_dropout=0.0))
     ref = copy.deepcopy(model)
     run = kt_ft.apply(model, kt_ft.KTConfig(rule="qwen3_moe-torch", rank=4, alpha=8, threads=1, seed=1))
-    with torch.no_grad():  # non-zero B: the expert-LoRA path counts from the first step
-        for n, p in run.expert_lora():
-            if n.endswith("_b"):
-                p.normal_(0, 0.05)
-    for name, m in model.named_modules():
-        if hasattr(m, "runner"):
-            parent_name, _, child = name.rpartition(".")
-            parent = ref.get_submodule(parent_name)
-            copies = {n: getattr(m, n).detach() for n in LORA_NAMES}
-            plain = PlainLoRAExperts(unwrap_peft(getattr(parent, child)), copies, m.scaling, m.spec)
-            setattr(parent, child, plain)
+    _plain_twin(model, ref, run)
     steps = []
 
     class Count(kt_ft.core.KTRun):  # counts the callback's calls through the run's own step

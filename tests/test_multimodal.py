@@ -484,13 +484,12 @@ def test_chunked_loss_of_a_vision_language_model_with_its_aux_loss(vl_assets):
     auxiliary loss on (its weight lives in the text config): loss and every gradient as the model's
     own forward (fp32: rel 1e-5, 1e-5 of the largest gradient), text-only input."""
     import copy
-    import os
 
     from peft import LoraConfig, get_peft_model
+    from test_lm_loss import apply_both
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     import kt_ft
-    from kt_ft.models import lm_loss
 
     config = AutoConfig.from_pretrained(vl_assets / "model")
     config.text_config.output_router_logits = True
@@ -501,14 +500,7 @@ def test_chunked_loss_of_a_vision_language_model_with_its_aux_loss(vl_assets):
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
     twin = copy.deepcopy(base)
-    cfg = dict(rank=4, alpha=8, threads=1, seed=1)
-    kt_ft.apply(base, kt_ft.KTConfig(**cfg))
-    os.environ["KT_FT_CHUNKED_LOSS"] = "0"
-    try:
-        kt_ft.apply(twin, kt_ft.KTConfig(**cfg))
-    finally:
-        del os.environ["KT_FT_CHUNKED_LOSS"]
-    assert getattr(lm_loss.causal_lm_module(base), "_kt_ft_chunked_loss", False)
+    apply_both(base, twin, kt_ft.KTConfig(rank=4, alpha=8, threads=1, seed=1))
     ids = torch.randint(10, 200, (2, 16), generator=torch.Generator().manual_seed(1))
     outs, grads = [], []
     for m in (base, twin):

@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from ..demo import template_stop_words, train_tokenizer
-from ..demo_vl import _TEXT, _VISION, VISION_TOKEN_KEYS, VISION_TOKENS, draw_shape, make_processor
+from ..demo_vl import (
+    _TEXT,
+    _VISION,
+    VISION_TOKEN_KEYS,
+    VISION_TOKENS,
+    dataset_info,
+    draw_shape,
+    make_processor,
+)
+from .models import MODEL_CONFIGS
 
 TEMPLATE = "qwen3_vl_nothink"
 
@@ -42,20 +51,11 @@ VL_PRESETS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
     ),
     "qwen3-vl-30b-a3b": (
         dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            moe_intermediate_size=768,
-            num_experts=128,
-            num_experts_per_tok=8,
-            num_hidden_layers=48,
-            num_attention_heads=32,
-            num_key_value_heads=4,
-            head_dim=128,
-            vocab_size=151936,
+            # the language model is Qwen3-30B-A3B's (its router renormalises the top-k weights)
+            {k: v for k, v in MODEL_CONFIGS["qwen3-30b-a3b"][1].items() if k != "norm_topk_prob"},
             decoder_sparse_step=1,
             mlp_only_layers=[],
             max_position_embeddings=262144,
-            tie_word_embeddings=False,
             hidden_act="silu",
             rope_parameters=dict(
                 rope_type="default",
@@ -87,23 +87,6 @@ def is_vl(preset: str) -> bool:
 
 def real_layers(preset: str) -> int:
     return VL_PRESETS[preset][0]["num_hidden_layers"]
-
-
-def dataset_entry(name: str) -> dict[str, Any]:
-    """LLaMA-Factory's ``dataset_info.json`` entry: sharegpt messages with an images column."""
-    return {
-        name: {
-            "file_name": f"{name}.json",
-            "formatting": "sharegpt",
-            "columns": {"messages": "messages", "images": "images"},
-            "tags": {
-                "role_tag": "role",
-                "content_tag": "content",
-                "user_tag": "user",
-                "assistant_tag": "assistant",
-            },
-        }
-    }
 
 
 def write_vl_assets(
@@ -144,7 +127,7 @@ def write_vl_assets(
             }
         )
     (data_dir / f"{dataset}.json").write_text(json.dumps(rows))
-    (data_dir / "dataset_info.json").write_text(json.dumps(dataset_entry(dataset)))
+    (data_dir / "dataset_info.json").write_text(json.dumps(dataset_info(dataset)))
     special = VISION_TOKENS + template_stop_words(TEMPLATE)
     vocab = min(2048, text_cfg["vocab_size"])
     tokenizer = train_tokenizer(
