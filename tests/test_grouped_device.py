@@ -115,13 +115,20 @@ def test_one_placement_holding_every_expert_needs_no_host_counts():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", ["plain", "gpt_oss"])
 @pytest.mark.parametrize("placement", ["every", "some"])
-def test_fused_device_share_matches_its_autograd_twin(device, dtype, variant, placement):
+@pytest.mark.parametrize("slice_rows", [4096, 3], ids=["one_slice", "slices_of_3_rows"])
+def test_fused_device_share_matches_its_autograd_twin(
+    device, dtype, variant, placement, slice_rows, monkeypatch
+):
     """``FusedGroupedExperts`` (one autograd node a placement, hand-written backward) against
     ``DeviceExperts.compute_reference`` (the same formula op by op under autograd): the [T, H] share
     and the gradients of x, the routing weights and the six fp32 LoRA parameters, on fresh random
     routing with unrouted experts; the LoRA cast is reused while the parameters are unchanged and
-    redone after an in-place update. Tolerances as above (bf16: products rounded at other points)."""
+    redone after an in-place update. Tolerances as above (bf16: products rounded at other points).
+    ``slice_rows``: the backward's fp32 work in slices of that many pairs (22 pairs here)."""
+    from kt_ft.kernels import grouped_device
     from kt_ft.moe.device_experts import DeviceExperts
+
+    monkeypatch.setattr(grouped_device, "BACKWARD_SLICE_ROWS", slice_rows)
     from kt_ft.moe.resident import ResidentExperts
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())

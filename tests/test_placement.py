@@ -6,8 +6,8 @@ Shape used throughout: E 4, H 100, I 50, top-2, bf16 weights, LoRA rank 0 (so a 
 pair), the GPU 9e10 FLOP/s (1e-6 s a GPU pair: 90,000 FLOPs with the recompute), the link
 60,000 B/s (a streamed expert: 2 passes x 30,000 B = 1 s, fewer passes when few layers stream:
 ``link_passes``) unless a test says otherwise.
-One layer's GPU activations, reserved whenever experts go to the GPU: 20 pairs x (3·50 + 100) x 4
-= 20,000 B.
+One layer's GPU activations, reserved whenever experts go to the GPU (``gpu_act_bytes``): 20 pairs
+x (3·100 + 5·50) x 2 + two fp32 slices of 20 x 100 = 38,000 B.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kt_ft.placement.planner import PlannerInput, choose_splits
 
 SHAPE = LayerShape(num_experts=4, hidden=100, inter=50, top_k=2, weight_bytes=2, act_bytes=2)
 B = 30_000  # bytes per expert
-ACT = 20_000  # one layer's GPU expert activations, all 20 pairs
+ACT = 38_000  # one layer's GPU expert activations, all 20 pairs (module doc)
 T = 10
 FAST = Rates(cpu_flops=60_000, link_bytes_s=60_000, gpu_flops=9e10)
 
@@ -38,7 +38,9 @@ def test_shape_counts():
     assert SHAPE.expert_bytes == B
     assert SHAPE.pair_flops(0) == 60_000 and SHAPE.forward_flops(0) == 30_000
     assert SHAPE.pair_flops(2) == 60_000 + 18 * 2 * 150  # LoRA: 18·r·(H + I)
-    assert SHAPE.gpu_pair_bytes() == (3 * 50 + 100) * 4
+    # the expert work's peak: (3·H + 5·I) values a pair (bf16) + two fp32 [pairs, H] slices
+    assert SHAPE.gpu_act_bytes(10) == 10 * (3 * 100 + 5 * 50) * 2 + 2 * 10 * 100 * 4
+    assert SHAPE.gpu_act_bytes(0) == 0
 
 
 def test_layer_times_by_hand():
@@ -95,7 +97,7 @@ def test_predict_memory_and_step():
     p = predict([SHAPE, SHAPE], splits, FAST, 0, T, nonexpert_flops=9e10)
     assert p.resident_bytes == 2 * B
     assert p.stream_buffer_bytes == 2 * 3 * B  # two buffers of the layer streaming the most (3)
-    assert p.expert_activation_bytes == 15 * (3 * 50 + 100) * 4  # layer 1: 15 GPU pairs
+    assert p.expert_activation_bytes == SHAPE.gpu_act_bytes(15)  # layer 1: 15 GPU pairs
     assert p.nonexpert_s == pytest.approx(1.0)
     # the non-expert second spread over the two MoE layers, inside their times
     assert [t.nonexpert_s for t in p.layers] == pytest.approx([0.5, 0.5])

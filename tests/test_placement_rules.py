@@ -94,7 +94,8 @@ def test_auto_planned_from_a_cpu_only_machine_counts_the_expert_lora_on_the_gpu(
     rule = tmp_path / "auto.yaml"
     rule.write_text(AUTO_RULE)
     _, plain = plan_json(capsys, "qwen3_moe", model_dir, "--cutoff-len", "64")
-    act = 64 * 2 * (3 * 32 + 64) * 4  # the activation reserve: a whole layer's pairs on the GPU
+    elt = EXPERT_BYTES // (3 * 64 * 32)
+    act = LayerShape(8, 64, 32, 2, elt, elt).gpu_act_bytes(64 * 2)  # the reserve: a whole layer's pairs
     params = 3 * 8 * 8 * (64 + 32)  # a layer's expert LoRA (rank 8)
     # + the fp32 copies of both layers' LoRA that a LoRA left on the CPU puts on the GPU
     cap = plain["devices"]["cuda:0"]["total_bytes"] + 16 * EXPERT_BYTES + act + 2 * 4 * params + 1024

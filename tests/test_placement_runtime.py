@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_resident import ALPHA, RANK, _train_keep, batches, build, kt_layers, train
 
-from kt_ft.placement.cost import Rates
+from kt_ft.placement.cost import LayerShape, Rates
 from kt_ft.placement.runtime import Replanner, auto_at_start, tv_distance
 from kt_ft.rules import load_rules, make_plan
 from kt_ft.rules.report import TrainSizes, estimate
@@ -20,7 +20,9 @@ from kt_ft.rules.report import TrainSizes, estimate
 AUTO_RULE = "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch, placement: auto}\n"
 EXPERT = 3 * 64 * 32 * 4
 SIZES = TrainSizes(12, 2, RANK)
-ACT = 24 * 2 * (3 * 32 + 64) * 4  # the planner's reserve: one layer, every pair on the GPU
+ACT = LayerShape(8, 64, 32, 2, 4, 4).gpu_act_bytes(
+    24 * 2
+)  # the planner's reserve: one layer, every pair on the GPU
 FAST_GPU = Rates(cpu_flops=1e9, link_bytes_s=1e12, gpu_flops=1e13)
 
 
@@ -341,13 +343,13 @@ def test_a_calibrated_cpu_rate_is_kept_for_the_next_run(tmp_path, monkeypatch):
 
 
 def test_non_expert_measurement_skips_the_routed_experts_and_leaves_the_run_as_it_was(tmp_path):
-    """``measure_non_expert_s``: the model's forward + backward with every KTExperts returning
+    """``measure_non_expert``: the model's forward + backward with every KTExperts returning
     zeros (the CPU op not called), timed; afterwards the gradients, the RNG, train mode and the
     experts are as before. Its loss equals a reference: the same model with the experts module's
     output replaced by zeros through a forward hook (an independent route to the same thing)."""
     from test_resident import build
 
-    from kt_ft.placement.non_expert import measure_non_expert_s, routed_experts_skipped
+    from kt_ft.placement.non_expert import measure_non_expert, routed_experts_skipped
 
     rule = tmp_path / "cpu.yaml"
     rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch}\n")
@@ -355,8 +357,8 @@ def test_non_expert_measurement_skips_the_routed_experts_and_leaves_the_run_as_i
     layers = kt_layers(model)
     model.eval()
     rng = torch.get_rng_state()
-    s = measure_non_expert_s(model, seq_len=12, batch=2, device=torch.device("cpu"))
-    assert s > 0 and not model.training
+    s, peak = measure_non_expert(model, seq_len=12, batch=2, device=torch.device("cpu"))
+    assert s > 0 and peak is None and not model.training
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     assert [m.runner.forward_calls for m in layers] == [0] * len(layers)
@@ -384,6 +386,7 @@ def test_a_measured_non_expert_time_replaces_the_flop_estimate(tmp_path, monkeyp
 
     import kt_ft.placement.runtime as runtime
     from kt_ft.placement.auto import predict_plan
+    from kt_ft.placement.non_expert import NonExpertRun
 
     model, ctx, _ = auto_model(tmp_path, 3)
     rp = Replanner(ctx, every=0, threshold=0.1)
@@ -393,7 +396,7 @@ def test_a_measured_non_expert_time_replaces_the_flop_estimate(tmp_path, monkeyp
 
     # as if the model were on a GPU: its embeddings say cuda, the measurement says 250 ms
     on_gpu = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda")))
-    monkeypatch.setattr(runtime, "measure_non_expert_s", lambda *a, **k: 0.25)
+    monkeypatch.setattr(runtime, "run_non_expert", lambda *a, **k: NonExpertRun(0.25, None))
     monkeypatch.setattr(model, "get_input_embeddings", lambda: on_gpu)
     with caplog.at_level(logging.INFO, logger="kt_ft"):
         got = rp.measure_non_expert(model)
@@ -405,3 +408,35 @@ def test_a_measured_non_expert_time_replaces_the_flop_estimate(tmp_path, monkeyp
     assert pred.step_s == pytest.approx(sum(t.seconds for t in pred.layers))
     assert pred.step_s > flops_pred.step_s + 0.2  # CPU-bound layers: the non-expert work adds
     assert f"predicted step {pred.step_s * 1e3:.3f} ms" in caplog.text
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_non_expert_memory_measured_over_the_plan_moves_experts_off_the_gpu(
+    tmp_path, monkeypatch, caplog, over
+):
+    """Under a cap, ``Replanner.measure_non_expert`` compares the allocator's peak rise of the
+    non-expert micro-batch with what the plan counted for it (``non_expert_activation_bytes``):
+    ``over`` experts' bytes more and the split is planned again with that much held back, before
+    the first step (one resident expert fewer: the cap had room for exactly 3); no more, nothing
+    moves."""
+    import logging
+    from types import SimpleNamespace
+
+    import kt_ft.placement.runtime as runtime
+    from kt_ft.placement.non_expert import NonExpertRun
+    from kt_ft.rules.report import non_expert_activation_bytes
+
+    model, ctx, _ = auto_model(tmp_path, 3)
+    rp = Replanner(ctx, every=0, threshold=0.1)
+    planned = non_expert_activation_bytes(ctx.model, ctx.sizes, 4)
+    peak = planned + over * EXPERT
+    on_gpu = SimpleNamespace(weight=SimpleNamespace(device=torch.device("cuda")))
+    monkeypatch.setattr(runtime, "run_non_expert", lambda *a, **k: NonExpertRun(0.25, peak))
+    monkeypatch.setattr(model, "get_input_embeddings", lambda: on_gpu)
+    with caplog.at_level(logging.INFO, logger="kt_ft"):
+        rp.measure_non_expert(model)
+    monkeypatch.undo()
+    assert ctx.reserve_bytes == over * EXPERT
+    resident = [kt.resident.ids if kt.resident else () for kt in kt_layers(model)]
+    assert resident == ([(0, 1, 2), ()] if not over else [(0, 1), ()]), resident
+    assert ("held back from the experts" in caplog.text) == bool(over)

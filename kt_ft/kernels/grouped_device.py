@@ -238,7 +238,8 @@ class FusedGroupedExperts(torch.autograd.Function):
             d += base.down_bias.index_select(0, groups.row_expert)
         ws = w.reshape(-1).index_select(0, pairs).to(acc)  # [N]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
-        out.index_add_(0, tok, d.to(acc) * ws[:, None])
+        for lo_, hi in _row_slices(d.shape[0]):  # the weighted accum-dtype rows one slice at a time
+            out.index_add_(0, tok[lo_:hi], d[lo_:hi] * ws[lo_:hi, None])  # promoted to ws's accum dtype
         # quantized weights: their stored tensors are saved (streamed ones are views of a stream
         # buffer, which the saved-tensor hooks of ``moe/streamed.py`` fetch back at backward), and
         # the structure to rebuild them on ctx
@@ -275,15 +276,28 @@ class FusedGroupedExperts(torch.autograd.Function):
         # the spec and sizes only: the weights the backward reads come through saved_tensors
         # (where streamed ones are re-fetched: ``moe/streamed.py``'s saved-tensor hooks)
         spec, inter, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes = ctx.meta
-        dt = d.dtype
         r = ad.shape[1]
-        gos = grad_out.index_select(0, tok)  # [N, H] accum dtype
+        # dL/dd [N, H] and the routing weights' gradient, a slice of rows at a time: the gathered
+        # fp32 rows of grad_out and d's fp32 copy exist for one slice only (whole, they were 3 x
+        # [N, H] fp32 at once: ~0.4 GiB a Qwen3-30B-A3B layer at 2,048 tokens, which the GPU
+        # memory cap's plan does not hold)
+        gd = torch.empty_like(d)
+        grad_ws = (
+            torch.empty(d.shape[0], dtype=grad_out.dtype, device=d.device)
+            if ctx.needs_input_grad[1]
+            else None
+        )
+        for lo_, hi in _row_slices(d.shape[0]):
+            gos = grad_out.index_select(0, tok[lo_:hi])  # [n, H] accum dtype
+            if grad_ws is not None:
+                grad_ws[lo_:hi] = (gos * d[lo_:hi]).sum(1)  # promoted to gos's accum dtype
+            gd[lo_:hi] = gos.mul_(ws[lo_:hi, None])
+            del gos
         grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_ws = (gos * d.to(gos.dtype)).sum(1)
+        if grad_ws is not None:
             grad_w = torch.zeros(w_shape.numel(), dtype=grad_ws.dtype, device=grad_ws.device)
             grad_w = grad_w.index_copy_(0, pairs, grad_ws).view(w_shape).to(w_dtype)
-        gd = (gos * ws[:, None]).to(dt)  # dL/dd [N, H]
+            del grad_ws
         # down: d = h Wd^T + s (h Ad^T) Bd^T
         # dh = gd @ Wd [G, H, I]
         dh = (
@@ -293,14 +307,17 @@ class FusedGroupedExperts(torch.autograd.Function):
         )
         t = grouped_mm(gd, bd, groups)  # [N, r]: gd @ Bd
         grad_db = grouped_mm_k(gd.t(), pd, groups).mul_(s)  # [G, H, r]
+        del gd
         ts = t * s
         grad_da = grouped_mm_k(ts.t(), h, groups)  # [G, r, I]
         dh += grouped_mm(ts, ad, groups)
         gs, us = spec.gate_up_cols(inter)
         g, u = gu[:, gs], gu[:, us]
         dg, du = gated_act_backward(dh, g, u, spec)
+        del dh
         dgu = torch.empty_like(gu)
         dgu[:, gs], dgu[:, us] = dg, du
+        del dg, du
         # gate / up LoRA B (the stacked [G, 2I, 2r]: its gate and up blocks), then A ([Ag; Au])
         grad_bgu = grouped_mm_k(dgu.t(), pa, groups).mul_(s)  # [G, 2I, 2r]
         dpa = grouped_mm(dgu, b_gu, groups).mul_(s)  # [N, 2r]
@@ -313,12 +330,24 @@ class FusedGroupedExperts(torch.autograd.Function):
                 if spec.transposed
                 else base_mm(dgu, w_gu, groups, False)
             )
-            dxs = wgu_x + grouped_mm(dpa, a_gu, groups)
+            del dgu
+            dxs = wgu_x.add_(grouped_mm(dpa, a_gu, groups))
             grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)
-            grad_x = grad_x.index_add_(0, tok, dxs.to(grad_out.dtype)).to(x_dtype)
+            for lo_, hi in _row_slices(dxs.shape[0]):  # the accum-dtype copy one slice at a time
+                grad_x.index_add_(0, tok[lo_:hi], dxs[lo_:hi].to(grad_out.dtype))
+            grad_x = grad_x.to(x_dtype)
         lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)
         lora_grads = [g_.to(dtype) for g_, dtype in zip(lo, lora_dtypes)]
         return (grad_x, grad_w, *lora_grads, None, None, None, None, None, None)
+
+
+BACKWARD_SLICE_ROWS = 4096  # rows of (token, expert) pairs a slice of the backward's fp32 work
+
+
+def _row_slices(n: int):
+    """(start, end) of ``BACKWARD_SLICE_ROWS``-row slices covering 0..n."""
+    rows = BACKWARD_SLICE_ROWS
+    return ((i, min(i + rows, n)) for i in range(0, n, rows))
 
 
 def stack_lora(ga, gb, ua, ub, da, db, dtype: torch.dtype, spec) -> tuple[torch.Tensor, ...]:

@@ -128,6 +128,7 @@ def plan_auto(
     lora_on_gpu: dict[int, bool] | None = None,
     training_device: torch.device | None = None,
     cuda_overhead_bytes: int | None = None,
+    reserve_bytes: int = 0,
 ) -> Choice | None:
     """Choose and write ``gpu_experts`` / ``stream_experts`` (ids) of every ``placement: auto`` layer.
 
@@ -140,7 +141,8 @@ def plan_auto(
     of layers with GPU experts lives (``lora_home``); None: the plan's, as resolved on this
     machine (``kt-ft rules plan`` for a GPU machine from a CPU-only one passes the rules' device).
     ``cuda_overhead_bytes``: the training GPU's memory outside PyTorch's allocator, as a run
-    measured it (None: ``rules/report.py``'s estimate).
+    measured it (None: ``rules/report.py``'s estimate). ``reserve_bytes``: GPU bytes held back
+    beyond the estimate (a run's measurement of its non-expert work, ``runtime.py``).
     Returns the planner's choice (None: no auto layer)."""
     autos = auto_layers(plan)
     if not autos:
@@ -151,7 +153,7 @@ def plan_auto(
         estimate(model, plan, dtype, sizes, cuda_overhead_bytes)["devices"]
         .get(training_device_key(plan), {})
         .get("total_bytes", 0)
-    )
+    ) + reserve_bytes
     budget = (
         expert_budget_bytes
         if expert_budget_bytes is not None

@@ -61,8 +61,9 @@ with it on the GPU, 47 ms a layer of 8.65 M parameters. Charged every micro-batc
 once a step: an upper bound under gradient accumulation).
 
 GPU memory of the experts: resident weights + 2 layers of stream buffers (double buffering,
-sized for the layer with the most streamed experts) + one layer's expert activations (the
-recomputed layer keeps gate, up, act and the input per GPU pair: (3·I + H)·4 bytes); the rest
+sized for the layer with the most streamed experts) + one layer's expert activations at the
+peak of its recompute and backward (``LayerShape.gpu_act_bytes``: (3·H + 5·I) values a GPU pair
+and two fp32 slices); the rest
 of the GPU (non-expert weights, LoRA, optimizer, activations) is ``kt_ft/rules/report.py``'s
 estimate.
 """
@@ -71,6 +72,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+
+from ..kernels.grouped_device import BACKWARD_SLICE_ROWS
 
 PASSES = 2  # times a streamed layer's weights cross the link per step (forward + recompute)
 STREAM_BUFFERS = 2  # layers of stream buffers on the GPU (one computing, one filling)
@@ -123,9 +126,17 @@ class LayerShape:
         h, i = self.hidden, self.inter
         return 6 * h * i + 6 * rank * (h + i)
 
-    def gpu_pair_bytes(self) -> int:
-        """Activation bytes the recomputed layer keeps per GPU pair (fp32 gate, up, act, input)."""
-        return (3 * self.inter + self.hidden) * 4
+    def gpu_act_bytes(self, pairs: float) -> int:
+        """Peak GPU bytes of one layer's expert work with ``pairs`` (token, expert) pairs on the
+        GPU (``kernels/grouped_device.py``): what its forward saves (the gathered input, gate|up,
+        the activation and the down output: (2·H + 3·I) values a pair, the weights' dtype) and, at
+        the backward's widest point, the down output's gradient or the input's (H) beside gate|up's
+        (2·I), plus the fp32 slices both passes gather (``BACKWARD_SLICE_ROWS`` pairs x H, two at
+        once). The forward's gate|up product and its LoRA term (2·I each) fit under that."""
+        if pairs <= 0:
+            return 0
+        h, i = self.hidden, self.inter
+        return int(pairs * (3 * h + 5 * i) * self.act_bytes + 2 * min(pairs, BACKWARD_SLICE_ROWS) * h * 4)
 
 
 @dataclass(frozen=True)
@@ -366,7 +377,7 @@ def expert_gpu_bytes(
         on_gpu = set(s.resident) | set(s.streamed)
         if on_gpu:
             pairs = pairs_per_expert(sh, popularity[i] if popularity else None, tokens)
-            act = max(act, int(sum(pairs[e] for e in on_gpu) * sh.gpu_pair_bytes()))
+            act = max(act, sh.gpu_act_bytes(sum(pairs[e] for e in on_gpu)))
     return resident, buffers, act
 
 

@@ -8,7 +8,7 @@ every expert resident took 439 ms where the FLOPs at the dense rate said 159 ms 
 of it -- the non-expert work is bound by the host's per-kernel time (PEFT's LoRA layers, norms,
 rotary embeddings) and attention, not by the matmul rate.
 
-``measure_non_expert_s`` runs the model as the trainer will (train mode, its gradient
+``measure_non_expert`` runs the model as the trainer will (train mode, its gradient
 checkpointing, its attention implementation, its LoRA) on one micro-batch of random token ids,
 forward + backward, with every routed-experts module (``KTExperts``) returning zeros, and times
 it; the first call warms up (cuBLAS handles, allocator) and is not counted. The RNG is forked
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
@@ -47,7 +48,15 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return int(text.vocab_size)
 
 
-def measure_non_expert_s(
+class NonExpertRun(NamedTuple):
+    """``measure_non_expert``'s result: seconds of the best timed call; the allocator's peak rise in
+    bytes (CUDA) or None."""
+
+    seconds: float
+    peak_bytes: int | None
+
+
+def measure_non_expert(
     model: torch.nn.Module,
     *,
     seq_len: int,
@@ -55,12 +64,14 @@ def measure_non_expert_s(
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
     repeat: int = 2,
-) -> float:
-    """Seconds of one micro-batch's forward + backward (``batch`` x ``seq_len`` token ids, int64,
+) -> NonExpertRun:
+    """Seconds and GPU memory of one micro-batch's forward + backward (``batch`` x ``seq_len`` token ids, int64,
     labels the same ids) of ``model`` with its routed experts skipped; the best of ``repeat``
     timed calls after one warm-up. ``device``: where the model's embeddings are (CUDA: each call
     is timed between two synchronisations); ``autocast_dtype``: the run's mixed precision (the
-    Trainer's bf16 / fp16 autocast), None: none."""
+    Trainer's bf16 / fp16 autocast), None: none. ``NonExpertRun.peak_bytes``: CUDA only, the
+    allocator's peak over what it held before the first call (activations, the loss, the
+    non-expert LoRA's gradients); None elsewhere."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     vocab = _vocab_size(model)
@@ -68,6 +79,10 @@ def measure_non_expert_s(
     trainable = [p for p in model.parameters() if p.requires_grad]
     had_grad = [p.grad for p in trainable]
     best = float("inf")
+    if cuda:
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     with torch.random.fork_rng(devices=[device] if cuda else []), routed_experts_skipped(model):
         model.train()
         try:
@@ -88,4 +103,5 @@ def measure_non_expert_s(
             for p, g in zip(trainable, had_grad, strict=True):
                 p.grad = g  # the run's gradients as they were (None before the first step)
             model.train(was_training)
-    return best
+    peak = torch.cuda.max_memory_allocated(device) - held if cuda else None
+    return NonExpertRun(best, peak)

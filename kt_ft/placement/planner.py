@@ -236,7 +236,7 @@ def choose_splits(
     for pos, i in enumerate(order):
         cum.append(cum[-1] + round(shapes[i].expert_bytes * layer_scale))
         positions[i].append(pos)
-    act = max(tokens * sh.top_k * sh.gpu_pair_bytes() for sh in shapes)  # a whole layer on the GPU
+    act = max(sh.gpu_act_bytes(tokens * sh.top_k) for sh in shapes)  # a whole layer on the GPU
     max_e = max(sh.num_experts for sh in shapes)
     max_b = max(sh.expert_bytes for sh in shapes)
 

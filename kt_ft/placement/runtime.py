@@ -47,11 +47,11 @@ from ..models import unwrap_peft
 from ..moe.experts import KTExperts
 from ..processes import topology
 from ..rules.plan import PlacementPlan
-from ..rules.report import CUDA_GROWTH_BYTES, TrainSizes
+from ..rules.report import CUDA_GROWTH_BYTES, TrainSizes, non_expert_activation_bytes
 from .auto import auto_layers, format_placement, layer_shape, placement_section, plan_auto, predict_plan
 from .cost import LayerShape, Rates
 from .measure import cpu_rate_key, describe, machine_rates, remember_cpu_flops
-from .non_expert import measure_non_expert_s
+from .non_expert import measure_non_expert as run_non_expert
 from .planner import Choice
 
 logger = get_logger(__name__)
@@ -127,6 +127,9 @@ class AutoContext:
     # (cuda, cache slot) of the CPU rate when it came from this machine's cache / measurement: a
     # calibration keeps the run's rate there (``measure.remember_cpu_flops``); None: given rates
     cpu_cache: tuple[bool, str] | None = None
+    # GPU bytes held back from the experts beyond the estimate: what the run measured the non-expert
+    # work to take over what the plan counted for it (``Replanner.measure_non_expert``)
+    reserve_bytes: int = 0
 
 
 def auto_at_start(
@@ -345,13 +348,14 @@ class Replanner:
         if device.type != "cuda":
             return None
         before = predict_plan(ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates)
-        s = measure_non_expert_s(
+        run = run_non_expert(
             model,
             seq_len=ctx.sizes.cutoff_len,
             batch=ctx.sizes.batch,
             device=device,
             autocast_dtype=autocast_dtype,
         )
+        s = run.seconds
         ctx.rates = dataclasses.replace(
             ctx.rates, nonexpert_s=s, source={**ctx.rates.source, "nonexpert_s": "this run"}
         )
@@ -363,7 +367,30 @@ class Replanner:
             f"{before.nonexpert_s * 1e3:.1f} ms): predicted step {pred.step_s * 1e3:.3f} ms, "
             f"{tokens / pred.step_s:,.0f} tokens/s (routed experts {(pred.step_s - s) * 1e3:.1f} ms)"
         )
+        if run.peak_bytes is not None:
+            self._reserve_measured_memory(run.peak_bytes)
         return s
+
+    def _reserve_measured_memory(self, peak_bytes: int) -> None:
+        """The GPU memory the non-expert work of a micro-batch took in this run (``peak_bytes``, the
+        allocator's rise) against what the plan counted for it (``non_expert_activation_bytes``):
+        where the run took more, the difference is held back from the experts (``AutoContext.
+        reserve_bytes``) and, under a cap, the split is planned again (before the first step: the
+        experts move now, not after an out-of-memory error)."""
+        ctx = self.ctx
+        elt = torch.empty((), dtype=ctx.dtype).element_size()
+        planned = non_expert_activation_bytes(ctx.model, ctx.sizes, elt)
+        extra = peak_bytes - planned
+        logger.info(
+            f"placement: auto: the non-expert work of a micro-batch took {fmt_bytes(peak_bytes)} of GPU "
+            f"memory in this run (planned {fmt_bytes(planned)})"
+            + (f": {fmt_bytes(extra)} more is held back from the experts" if extra > 0 else "")
+        )
+        if extra <= 0:
+            return
+        ctx.reserve_bytes = extra
+        if ctx.cap_bytes is not None and ctx.expert_budget_bytes is None:
+            self.replan({}, reason="the non-expert memory measured in this run")
 
     def mark_cpu(self) -> None:
         """Start a new window for ``calibrate``."""
@@ -496,6 +523,7 @@ class Replanner:
             expert_budget_bytes=ctx.expert_budget_bytes,
             layer_scale=ctx.layer_scale,
             cuda_overhead_bytes=ctx.cuda_overhead_bytes,
+            reserve_bytes=ctx.reserve_bytes,
             # the expert LoRA stays where the run put it (``moe/patch.py``): count what is on the GPU
             lora_on_gpu={layer: m.lora_on_device for layer, m in self.modules.items()},
         )

@@ -44,7 +44,7 @@ import torch
 from ..errors import KTConfigError
 from ..log import fmt_bytes
 from ..models import layer_index, lm_loss, unwrap_peft
-from ..placement.cost import STREAM_BUFFERS
+from ..placement.cost import STREAM_BUFFERS, LayerShape
 from ..placement.homes import lora_home
 from ..settings import enabled
 from .plan import PlacementPlan
@@ -143,6 +143,20 @@ def _expert_groups(plan: PlacementPlan) -> list[dict]:
     return out
 
 
+def non_expert_activation_bytes(model: torch.nn.Module, sizes: TrainSizes, elt: int) -> int:
+    """The training device's activation bytes of a micro-batch apart from the routed experts' (an
+    estimate, module doc): the checkpointed layers' inputs, one recomputed layer's work set and the
+    loss (transformers' logits of every token, or kt-ft's chunked loss: ``models/lm_loss.py``).
+    ``elt``: bytes per value of the model's dtype."""
+    text = _text_config(model)
+    H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    tokens = sizes.batch * sizes.cutoff_len
+    a = 2 if elt == 2 else 4
+    chunked = enabled("KT_FT_CHUNKED_LOSS") and lm_loss.supported(model.config)
+    loss_bytes = lm_loss.loss_bytes(tokens, V, H) if chunked else LOSS_BYTES_PER_LOGIT * tokens * V
+    return L * tokens * H * a + LAYER_WORKSET * tokens * H * a + loss_bytes
+
+
 def estimate(
     model: torch.nn.Module,
     plan: PlacementPlan,
@@ -222,7 +236,8 @@ def estimate(
             stream["bytes_per_pass"] += per_expert * streamed
             stream["largest_layer_bytes"] = max(stream["largest_layer_bytes"], per_expert * streamed)
         if on_gpu or streamed:
-            gpu_expert_act = max(gpu_expert_act, tokens * k * (3 * inter + hidden) * 4)
+            shape = LayerShape(num, hidden, inter, k, act_bytes=2 if elt == 2 else 4)
+            gpu_expert_act = max(gpu_expert_act, shape.gpu_act_bytes(tokens * k))
         n = 3 * num * sizes.lora_rank * (hidden + inter)
         lora["expert_params"] += n
         # experts of the layer on the GPU: its LoRA (and optimizer state) lives there too
@@ -255,13 +270,8 @@ def estimate(
         d["train_state_bytes"] = d["lora_params"] * TRAIN_STATE_BYTES
 
     # activations
-    text = _text_config(model)
-    H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
-    a = 2 if elt == 2 else 4
-    # the loss: transformers' logits of every token, or kt-ft's chunked loss (models/lm_loss.py)
-    chunked = enabled("KT_FT_CHUNKED_LOSS") and lm_loss.supported(model.config)
-    loss_bytes = lm_loss.loss_bytes(tokens, V, H) if chunked else LOSS_BYTES_PER_LOGIT * tokens * V
-    gpu_act = L * tokens * H * a + LAYER_WORKSET * tokens * H * a + loss_bytes + gpu_expert_act
+    H = _text_config(model).hidden_size
+    gpu_act = non_expert_activation_bytes(model, sizes, elt) + gpu_expert_act
     cpu_act = 0
     for e in plan.experts:
         num, _, inter = _expert_dims(model, e)
