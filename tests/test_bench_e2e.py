@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from kt_ft.bench.e2e import last_half_rate, parse_systems, rate_from_log
 
@@ -142,6 +143,13 @@ def test_e2e_tiny_vision_language_trains_with_pictures(tmp_path, capsys):
     )
     recipe = (work / "runs" / "kt-cpu-torch" / "recipe.yaml").read_text()
     assert "template: qwen3_vl_nothink" in recipe
+    # the rule of a GPU-placed system (those need CUDA to run): the family's, from the model's config
+    from kt_ft.bench.e2e import write_rule
+
+    (system,) = parse_systems("kt-auto@24")
+    rule = yaml.safe_load(write_rule(tmp_path, work / "model", system).read_text())
+    assert rule[0] == {"include": "qwen3_vl_moe"} and rule[1]["replace"]["placement"] == "auto", rule
+    assert rule[1]["match"] == {"class": "Qwen3VLMoeTextExperts"}, rule
     from kt_ft.cli import main
 
     assert main(["bench", "--parts", "op", "--preset", "tiny-vl"]) == 2  # a VL preset: the e2e part only

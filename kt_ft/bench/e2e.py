@@ -51,7 +51,7 @@ import yaml
 
 from .. import settings
 from ..demo import train_tokenizer
-from ..models import FAMILIES
+from ..models import family_of
 from .models import MODEL_CONFIGS, build_model_dir
 from .vl_assets import TEMPLATE as VL_TEMPLATE
 from .vl_assets import is_vl, real_layers, write_vl_assets
@@ -178,11 +178,14 @@ def _point_config_at_tokenizer(model_dir: Path, tokenizer) -> None:
         gen.write_text(json.dumps(g, indent=2))
 
 
-def write_rule(run_dir: Path, preset: str, system: System) -> Path | None:
-    """The optimize rule of ``system`` (None: the family's built-in rule, all experts on the CPU)."""
+def write_rule(run_dir: Path, model_dir: Path, system: System) -> Path | None:
+    """The optimize rule of ``system`` (None: the family's built-in rule, all experts on the CPU)
+    for the model written to ``model_dir`` (its family from its config: hand-written or derived)."""
     if system.kind not in ("auto", "stream"):
         return None
-    family = FAMILIES["qwen3_vl_moe" if is_vl(preset) else MODEL_CONFIGS[preset][0]]
+    from transformers import AutoConfig
+
+    family = family_of(AutoConfig.from_pretrained(model_dir))
     place = {"placement": "auto"} if system.kind == "auto" else {"stream": "all"}
     rule = [
         {"include": family.builtin_rule},
@@ -255,7 +258,7 @@ def write_recipe(
         recipe.update(use_kt=True, chunk_size=cutoff_len, kt_backend=system.backend)
         if cpu_infer is not None:  # else kt-ft's default, as a recipe without the key gets
             recipe["cpu_infer"] = cpu_infer
-        rule = write_rule(run_dir, preset, system)
+        rule = write_rule(run_dir, model_dir, system)
         if rule is not None:
             recipe["kt_optimize_rule"] = str(rule)
         if system.cap_gib is not None:
