@@ -57,6 +57,12 @@ _ALL = (
     ),
     Setting("KT_FT_OVERLAP_SHARED", "1", "0: shared experts are not started beside the CPU expert op"),
     Setting(
+        "KT_FT_MEASURE_BACKEND",
+        "1",
+        "0: kt_backend auto takes the first CPU backend of a fixed order that runs here instead of timing "
+        "each one on the layer's shape (bf16 experts; kt_ft/moe/backend_pick.py)",
+    ),
+    Setting(
         "KT_FT_GROUPED_DEVICE",
         "1",
         "0: GPU experts loop over experts instead of torch._grouped_mm",

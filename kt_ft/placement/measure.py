@@ -318,6 +318,24 @@ def machine_rates(
     return apply_overrides(Rates(cpu, link, gpu, gpu_e, src), overrides, shape, rank)
 
 
+def cached_cpu_flops(
+    shape: LayerShape, backend: str, threads: int, tokens: int, rank: int = 8, cuda: bool | None = None
+) -> tuple[float, str]:
+    """The CPU op's FLOP/s for ``backend`` at ``shape`` from the cache slot ``machine_rates`` reads
+    (``cpu_rate_key``), else measured (``measure_cpu_flops``) and cached; with where it came from."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    data = _load_cache()
+    box = data.setdefault(machine_key(cuda), {}).setdefault("cpu_flops", {})
+    key = cpu_rate_key(shape, backend, threads, tokens)
+    if key in box:
+        return float(box[key]), "cached"
+    t0 = time.perf_counter()
+    flops = measure_cpu_flops(shape, backend, threads, tokens, rank)
+    box[key] = flops
+    _save_cache(data)
+    return flops, f"measured in {time.perf_counter() - t0:.1f} s"
+
+
 def cpu_rate_key(shape: LayerShape, backend: str, threads: int, tokens: int) -> str:
     """The cache slot of the CPU op's rate: backend, threads, layer shape, rows per expert."""
     rows = rows_per_expert(shape, tokens)
