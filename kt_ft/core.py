@@ -187,5 +187,6 @@ def _auto_placement(model: torch.nn.Module, plan: PlacementPlan, config: KTConfi
         TrainSizes(config.cutoff_len, config.batch, config.rank),
         gpu_memory_gib=config.gpu_memory_gib,
         remeasure=config.remeasure,
+        chunk_size=config.chunk_size,
     )
     return None if started is None else started[0]

@@ -29,6 +29,16 @@ logger = get_logger(__name__)
 MEASURED = ("kt-kernel", "native", "torch", "torch-ep")
 
 
+def timing_shape(model: torch.nn.Module, hf: torch.nn.Module, spec: ExpertSpec) -> LayerShape | None:
+    """The shape ``pick_backend`` times for the experts module ``hf`` of ``model``: default layout
+    (``gate_up_proj`` [E, 2I, H]) and weights not kept quantized; None otherwise."""
+    if not spec.is_default or getattr(hf.gate_up_proj, "fmt", None) is not None:
+        return None
+    num, two_inter, hidden = hf.gate_up_proj.shape
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return LayerShape(num, hidden, two_inter // 2, int(getattr(cfg, "num_experts_per_tok", 1)))
+
+
 def runnable(dtype: torch.dtype, spec: ExpertSpec | None) -> list[str]:
     """The backends of ``MEASURED`` that can run here for these experts (their ``auto_skip_reason``
     heuristics do not apply: the measurement replaces them)."""

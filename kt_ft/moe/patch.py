@@ -10,11 +10,10 @@ from ..hparams import physical_cpu_cores
 from ..kernels.base import DEFAULT_SPEC
 from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
-from ..placement.cost import LayerShape
 from ..placement.homes import lora_home, pick_resident_ids, pick_stream_ids
 from ..rules.plan import PlacementPlan
 from ..settings import enabled
-from .backend_pick import pick_backend
+from .backend_pick import pick_backend, timing_shape
 from .beside import install_shared_beside
 from .experts import KTExperts
 from .streamed import StreamScheduler
@@ -67,16 +66,6 @@ def _ids_text(by_layer: dict[int, tuple[int, ...]]) -> str:
     return ", ".join(f"layers {layers} ids {list(ids)}" for ids, layers in by_ids.items())
 
 
-def _layer_shape(model: torch.nn.Module, hf: torch.nn.Module, spec) -> LayerShape | None:
-    """The experts' shape for timing backends (``backend_pick.py``): default layout only
-    (``gate_up_proj`` [E, 2I, H]), weights not kept quantized; None otherwise."""
-    if not spec.is_default or getattr(hf.gate_up_proj, "fmt", None) is not None:
-        return None
-    num, two_inter, hidden = hf.gate_up_proj.shape
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return LayerShape(num, hidden, two_inter // 2, int(getattr(cfg, "num_experts_per_tok", 1)))
-
-
 def replace_routed_experts(
     model: torch.nn.Module,
     plan: PlacementPlan,
@@ -123,7 +112,7 @@ def replace_routed_experts(
                 hf.gate_up_proj.dtype,
                 spec,
                 getattr(getattr(hf.gate_up_proj, "fmt", None), "name", None),
-                shape=_layer_shape(model, hf, spec),
+                shape=timing_shape(model, hf, spec),
                 threads=place.threads or physical_cpu_cores(),
                 tokens=chunk_size,
             )

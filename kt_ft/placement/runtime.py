@@ -41,9 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..hparams import physical_cpu_cores
 from ..kernels import select_backend
+from ..kernels.base import DEFAULT_SPEC
 from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
+from ..moe.backend_pick import pick_backend, timing_shape
 from ..moe.experts import KTExperts
 from ..processes import topology
 from ..rules.plan import PlacementPlan
@@ -141,9 +144,12 @@ def auto_at_start(
     rates: Rates | None = None,
     expert_budget_bytes: int | None = None,
     layer_scale: float = 1.0,
+    chunk_size: int | None = None,
 ) -> tuple[AutoContext, Choice] | None:
     """Plan every ``placement: auto`` layer of ``plan`` (None: there is none). ``rates``: injected
-    (tests); else measured / cached for this machine."""
+    (tests); else measured / cached for this machine, for the CPU backend the run will use: with
+    ``chunk_size`` (the run's), ``kt_backend: auto`` is the one ``moe/backend_pick.py`` times
+    fastest, as ``replace_routed_experts`` will pick it from the same cache slots."""
     autos = auto_layers(plan)
     if not autos:
         return None
@@ -156,7 +162,21 @@ def auto_at_start(
     tokens = sizes.cutoff_len * sizes.batch
     cpu_cache = None
     if rates is None:
-        backend = select_backend(first.backend, dtype, first.spec)[0].name
+        if chunk_size is None:
+            backend = select_backend(first.backend, dtype, first.spec)[0].name
+        else:
+            # as ``replace_routed_experts`` will pick it (the same arguments: the same cache slots)
+            hf = unwrap_peft(model.get_submodule(first.name))
+            spec = first.spec or DEFAULT_SPEC
+            backend = pick_backend(
+                first.backend,
+                dtype,
+                spec,
+                getattr(getattr(hf.gate_up_proj, "fmt", None), "name", None),
+                shape=timing_shape(model, hf, spec),
+                threads=first.threads or physical_cpu_cores(),
+                tokens=chunk_size,
+            )[0].name
         rates = machine_rates(
             shape, backend, first.threads or 1, tokens, sizes.lora_rank, remeasure, cuda=cuda
         )
