@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from ..hparams import physical_cpu_cores
 from ..kernels import BACKENDS, ExpertBackend, ExpertSpec, select_backend
+from ..kernels.base import DEFAULT_SPEC
 from ..log import get_logger
+from ..models import unwrap_peft
 from ..placement.cost import LayerShape
 from ..placement.measure import cache_path, cached_cpu_flops
 from ..settings import enabled
@@ -81,3 +84,20 @@ def pick_backend(
         f"(GFLOP/s, {threads} threads: {figures}; {' and '.join(sorted(sources))}, {cache_path()})"
     )
     return BACKENDS[best](), why
+
+
+def pick_for(model: torch.nn.Module, place, chunk_size: int) -> tuple[ExpertBackend, str]:
+    """``pick_backend`` for the plan entry ``place`` (an ``ExpertPlacement``) of ``model``, with the
+    run's ``chunk_size``: the one call both ``replace_routed_experts`` and ``placement: auto``'s
+    start make, so they read the same cache slots and pick the same backend."""
+    hf = unwrap_peft(model.get_submodule(place.name))
+    spec = place.spec or DEFAULT_SPEC
+    return pick_backend(
+        place.backend,
+        hf.gate_up_proj.dtype,
+        spec,
+        getattr(getattr(hf.gate_up_proj, "fmt", None), "name", None),
+        shape=timing_shape(model, hf, spec),
+        threads=place.threads or physical_cpu_cores(),
+        tokens=chunk_size,
+    )

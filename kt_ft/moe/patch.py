@@ -6,14 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hparams import physical_cpu_cores
 from ..kernels.base import DEFAULT_SPEC
 from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
 from ..placement.homes import lora_home, pick_resident_ids, pick_stream_ids
 from ..rules.plan import PlacementPlan
 from ..settings import enabled
-from .backend_pick import pick_backend, timing_shape
+from .backend_pick import pick_for
 from .beside import install_shared_beside
 from .experts import KTExperts
 from .streamed import StreamScheduler
@@ -107,15 +106,7 @@ def replace_routed_experts(
         spec = place.spec or DEFAULT_SPEC
         key = (place.backend, spec)
         if key not in backends:
-            backends[key] = pick_backend(
-                place.backend,
-                hf.gate_up_proj.dtype,
-                spec,
-                getattr(getattr(hf.gate_up_proj, "fmt", None), "name", None),
-                shape=timing_shape(model, hf, spec),
-                threads=place.threads or physical_cpu_cores(),
-                tokens=chunk_size,
-            )
+            backends[key] = pick_for(model, place, chunk_size)
         proto, reason = backends[key]
         backend = type(proto)()  # one instance per layer: a backend may keep per-layer state
         gpu = place.gpu_experts

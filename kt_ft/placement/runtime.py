@@ -41,12 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..hparams import physical_cpu_cores
 from ..kernels import select_backend
-from ..kernels.base import DEFAULT_SPEC
 from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
-from ..moe.backend_pick import pick_backend, timing_shape
+from ..moe.backend_pick import pick_for
 from ..moe.experts import KTExperts
 from ..processes import topology
 from ..rules.plan import PlacementPlan
@@ -165,18 +163,8 @@ def auto_at_start(
         if chunk_size is None:
             backend = select_backend(first.backend, dtype, first.spec)[0].name
         else:
-            # as ``replace_routed_experts`` will pick it (the same arguments: the same cache slots)
-            hf = unwrap_peft(model.get_submodule(first.name))
-            spec = first.spec or DEFAULT_SPEC
-            backend = pick_backend(
-                first.backend,
-                dtype,
-                spec,
-                getattr(getattr(hf.gate_up_proj, "fmt", None), "name", None),
-                shape=timing_shape(model, hf, spec),
-                threads=first.threads or physical_cpu_cores(),
-                tokens=chunk_size,
-            )[0].name
+            # as ``replace_routed_experts`` will pick it (the same call: the same cache slots)
+            backend = pick_for(model, first, chunk_size)[0].name
         rates = machine_rates(
             shape, backend, first.threads or 1, tokens, sizes.lora_rank, remeasure, cuda=cuda
         )
