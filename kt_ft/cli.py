@@ -171,7 +171,8 @@ def _bench(args: argparse.Namespace) -> int:
                          system=args.gen_system, workdir=Path(args.workdir), threads=args.threads or 1,
                          samples=args.gen_samples, batch=args.gen_batch, prompt_len=args.gen_prompt,
                          max_new_tokens=args.gen_new_tokens, timeout_s=args.run_timeout,
-                         json_path=args.json if parts == ["gen"] else None)  # fmt: skip
+                         json_path=args.json if parts == ["gen"] else None,
+                         merged_dir=Path(args.gen_merged_dir) if args.gen_merged_dir else None)  # fmt: skip
         except ValueError as e:
             raise KTConfigError(str(e)) from None
         parts = [p for p in parts if p != "gen"]
@@ -378,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gen-batch", type=int, default=8, help="gen part: per_device_eval_batch_size")
     bench.add_argument("--gen-prompt", type=int, default=256, help="gen part: prompt tokens")
     bench.add_argument("--gen-new-tokens", type=int, default=64, help="gen part: max_new_tokens (greedy)")
+    bench.add_argument(
+        "--gen-merged-dir",
+        default=None,
+        help="gen part: where the merged model is written (default: under --workdir; a full-size model "
+        "and its merged copy may not fit one disk)",
+    )
     bench.add_argument(
         "--systems",
         default="kt-ft,kt-ft-stream,kt-ft-auto,peft-gpu,offload",

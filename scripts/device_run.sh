@@ -7,8 +7,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kt-ft-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.ktk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-PARTS=${PARTS:-tests,op,step}  # also: e2e, overlap, placement, probe, qprobe
-if [[ ",$PARTS," == *,e2e,* ]]; then
+PARTS=${PARTS:-tests,op,step}  # also: e2e, gen, overlap, placement, probe, qprobe
+if [[ ",$PARTS," == *,e2e,* || ",$PARTS," == *,gen,* ]]; then
   # the product path: LLaMA-Factory 0.9.5's stack and a kt-ft wheel (its .pth start-up hook) installed
   # for real into the machine's python (carry .whl: `pip download` list in docs/benchmarks.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl || exit 1
@@ -72,6 +72,19 @@ for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
   rm -rf "/tmp/e2e-$preset/model"  # the disk holds one full-size model at a time
 done
 [[ -d /tmp/e2e-prof ]] && tar -czf "$OUT/e2e-prof.tgz" -C /tmp e2e-prof
+# generation through LF's do_predict (GEN_PRESET at GEN_LAYERS, empty = full depth; GEN_SYSTEM): the merged
+# copy goes to /dev/shm when it has room (a full-size model and its merged copy do not fit the disk together)
+if [[ ",$PARTS," == *,gen,* ]]; then
+  df -h /tmp /dev/shm | tee "$OUT/gen-df.txt"
+  shm=$(df --output=avail -B1G /dev/shm | tail -1)
+  timeout "${GEN_TIMEOUT:-570}" python3 -m kt_ft.cli bench --parts gen --preset "${GEN_PRESET:-deepseek-v2-lite}" \
+    ${GEN_LAYERS:+--layers "$GEN_LAYERS"} --gen-system "${GEN_SYSTEM:-kt-auto}" --threads "$THREADS" \
+    --workdir /tmp/gen-run --json "$OUT/gen.json" ${GEN_ARGS:-} \
+    $( ((shm > 40)) && echo --gen-merged-dir /dev/shm/kt-gen-merged) 2>&1 | tr '\r' '\n' \
+    | grep -v "it/s\]$\|s/it\]$" | tee "$OUT/gen.log"
+  for f in /tmp/gen-run/gen/*/log.txt; do cp "$f" "$OUT/gen-$(basename "$(dirname "$f")").log"; done
+  rm -rf /tmp/gen-run /dev/shm/kt-gen-merged
+fi
 # issue 7: per-expert GEMM loop vs batched / prepacked formulations of the op's big products
 [[ ",$PARTS," == *,probe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/bmm_probe.py --tokens "${PROBE_TOKENS:-2048,4096}" \
   --threads "$THREADS" 2>&1 | tee "$OUT/bmm_probe.log"

@@ -9,7 +9,7 @@ import json
 import yaml
 
 from kt_ft.bench.e2e import parse_systems, write_recipe
-from kt_ft.bench.generate import GEN_DATASET, _predict_recipe, _record, _same_predictions
+from kt_ft.bench.generate import GEN_DATASET, _predict_recipe, _record, _same_predictions, force_length
 
 
 def _train_recipe(tmp_path):
@@ -41,22 +41,51 @@ def test_predict_recipes_keep_the_model_and_kt_ft_keys_or_drop_them_for_the_merg
     assert not [k for k in merged if k.startswith("kt_") or k in ("use_kt", "chunk_size", "cpu_infer")]
 
 
-class _Tok:
-    """Counts whitespace-separated words as tokens."""
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": text.split()}
-
-
-def test_records_count_generated_tokens_over_lf_runtime(tmp_path):
+def test_records_count_the_forced_tokens_over_lf_runtime(tmp_path):
     for name, preds in (("a", ["x y z", "p q"]), ("b", ["x y z", "p r"])):
         out = tmp_path / name / "output"
         out.mkdir(parents=True)
         lines = [json.dumps({"prompt": "...", "predict": p, "label": "..."}) for p in preds]
         (out / "generated_predictions.jsonl").write_text("\n".join(lines) + "\n")
         (out / "predict_results.json").write_text(json.dumps({"predict_runtime": 2.5}))
-    rec = _record("a", tmp_path / "a", 0, 9.0, _Tok(), tmp_path / "log")
-    assert rec.samples == 2 and rec.generated_tokens == 5 and rec.tok_s == 5 / 2.5 and not rec.note
+    rec = _record("a", tmp_path / "a", 0, 9.0, 8, tmp_path / "log")
+    assert rec.samples == 2 and rec.generated_tokens == 16 and rec.tok_s == 16 / 2.5 and not rec.note
     assert _same_predictions(tmp_path / "a", tmp_path / "b") == (1, 2)
-    failed = _record("c", tmp_path / "c", 1, 1.0, _Tok(), tmp_path / "log.txt")
+    failed = _record("c", tmp_path / "c", 1, 1.0, 8, tmp_path / "log.txt")
     assert failed.tok_s is None and "exit 1" in failed.note
+
+
+def test_forced_length_makes_generate_emit_exactly_the_new_tokens(tmp_path):
+    """A random model whose end token is the likeliest next token (its lm_head biased to it) stops
+    at once; with ``force_length``'s generation_config every sequence has exactly N new tokens, as
+    ``_record`` counts them. The file's other keys are kept."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    print("seed 0")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, eos_token_id=3, pad_token_id=0)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[3] = 1.0  # every logit 0 but the end token's (positive where h sums > 0)
+        model.model.norm.weight.fill_(1.0)
+    model.save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({"eos_token_id": 3, "pad_token_id": 0}))
+    prompts = torch.randint(4, 64, (4, 6))
+
+    def new_tokens() -> list[int]:
+        m = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+        out = m.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=7, do_sample=False)
+        # a sequence's new tokens: up to its end token (padding after it), else all of them
+        return [r.index(3) + 1 if 3 in r else len(r) for r in out[:, prompts.shape[1] :].tolist()]
+
+    before = new_tokens()
+    force_length(tmp_path / "m", 7)
+    after = new_tokens()
+    print("new tokens before / after:", before, after)
+    assert min(before) < 7  # the bias makes some sequences end early: the check below can fail
+    assert after == [7, 7, 7, 7]
+    kept = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    assert kept["eos_token_id"] == 3 and kept["min_new_tokens"] == 7

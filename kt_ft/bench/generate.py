@@ -10,9 +10,12 @@ trained for one step with kt-ft (``system``: every expert on the CPU, or a place
 * ``merged``: ``kt-ft merge`` of that adapter, predicted with ``use_kt: false`` (plain
   transformers: every expert on the training device, the reference for speed and output).
 
-Tokens/s are the generated tokens (the predictions re-tokenized: ``generated_predictions.jsonl``)
-over LLaMA-Factory's ``predict_runtime``; greedy decoding, so the two systems' predictions are
-compared text for text (they may part where a bf16 product rounds differently).
+Every sequence generates exactly ``max_new_tokens`` tokens (the model's ``generation_config.json``
+gets ``min_new_tokens`` = ``max_new_tokens``: a random model otherwise ends most sequences at once
+with an end or special token, and a re-tokenized count of the decoded text then says ~1 tok/s);
+tokens/s are those tokens over LLaMA-Factory's ``predict_runtime``. Greedy decoding, so the two
+systems' predictions are compared text for text (they may part where a bf16 product rounds
+differently).
 """
 
 from __future__ import annotations
@@ -105,7 +108,17 @@ def _predict_recipe(train_recipe: Path, out: Path, *, adapter: Path | None, mode
     return path
 
 
-def _record(name: str, run_dir: Path, rc: int, seconds: float, tokenizer, log: Path) -> GenRecord:
+def force_length(model_dir: Path, new_tokens: int) -> None:
+    """Set ``min_new_tokens`` = ``new_tokens`` in ``model_dir``'s ``generation_config.json`` (made if
+    missing), so every generated sequence has exactly ``new_tokens`` tokens (``max_new_tokens`` caps
+    it); ``kt-ft merge`` copies the file with the rest of the config."""
+    path = model_dir / "generation_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    cfg["min_new_tokens"] = new_tokens
+    path.write_text(json.dumps(cfg, indent=1))
+
+
+def _record(name: str, run_dir: Path, rc: int, seconds: float, new_tokens: int, log: Path) -> GenRecord:
     rec = GenRecord(name, rc, seconds)
     out = run_dir / "output"
     preds = out / "generated_predictions.jsonl"
@@ -115,9 +128,7 @@ def _record(name: str, run_dir: Path, rc: int, seconds: float, tokenizer, log: P
         return rec
     rows = [json.loads(line) for line in preds.read_text().splitlines() if line.strip()]
     rec.samples = len(rows)
-    rec.generated_tokens = sum(
-        len(tokenizer(r["predict"], add_special_tokens=False)["input_ids"]) for r in rows
-    )
+    rec.generated_tokens = len(rows) * new_tokens  # every sequence's length is forced (force_length)
     rec.predict_runtime_s = json.loads(results.read_text()).get("predict_runtime")
     return rec
 
@@ -135,8 +146,13 @@ def run_generate(
     max_new_tokens: int = 64,
     timeout_s: float = 1800,
     json_path: str | None = None,
+    merged_dir: Path | None = None,
 ) -> list[GenRecord]:
-    """The run of the module doc; prints a table, returns the records (kt-ft first, merged second)."""
+    """The run of the module doc; prints a table, returns the records (kt-ft first, merged second).
+
+    ``merged_dir``: where ``kt-ft merge`` writes the merged model (default ``workdir/gen/merged-model``);
+    a full-size model and its merged copy may not fit one disk together (e.g. put it in /dev/shm).
+    The merge runs after kt-ft's predictions, so the disk holds the two copies for the merged run only."""
     from transformers import AutoTokenizer
 
     (sys_,) = parse_systems(system)
@@ -145,6 +161,7 @@ def run_generate(
     model_dir, data_dir, layers = write_assets(workdir, preset, layers, prompt_len * 2, max(samples, 8))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     write_prompts(data_dir, tokenizer, samples, prompt_len)
+    force_length(model_dir, max_new_tokens)
     runs = workdir / "gen"
     train_dir = runs / "train"
     train_dir.mkdir(parents=True, exist_ok=True)
@@ -157,21 +174,24 @@ def run_generate(
     if rc != 0:
         raise RuntimeError(f"training the adapter failed (exit {rc}): {train_dir / 'log.txt'}")
     adapter = train_dir / "output"
-    merged = runs / "merged-model"
-    subprocess.run([sys.executable, "-m", "kt_ft.cli", "merge", str(adapter), str(merged), "--base", str(model_dir)],
-                   check=True, capture_output=True, text=True)  # fmt: skip
+    merged = Path(merged_dir) if merged_dir else runs / "merged-model"
     kw = dict(samples=samples, batch=batch, max_new_tokens=max_new_tokens, prompt_len=prompt_len)
     records = []
-    for name, adapter_dir, model in ((sys_.name, adapter, None), ("merged", None, merged)):
+    for name, adapter_dir in ((sys_.name, adapter), ("merged", None)):
+        if adapter_dir is None:
+            subprocess.run([sys.executable, "-m", "kt_ft.cli", "merge", str(adapter), str(merged), "--base", str(model_dir)],
+                           check=True, capture_output=True, text=True)  # fmt: skip
         run_dir = runs / name.replace(":", "-")
-        pr = _predict_recipe(recipe, run_dir, adapter=adapter_dir, model=model, **kw)
+        pr = _predict_recipe(
+            recipe, run_dir, adapter=adapter_dir, model=None if adapter_dir else merged, **kw
+        )
         log = run_dir / "log.txt"
         rc, seconds = _lf(pr, log, timeout_s)
-        records.append(_record(name, run_dir, rc, seconds, tokenizer, log))
+        records.append(_record(name, run_dir, rc, seconds, max_new_tokens, log))
     same = _same_predictions(runs / sys_.name.replace(":", "-"), runs / "merged")
     print(
         f"\ngeneration: llamafactory-cli train (do_predict, predict_with_generate), {preset} x{layers} layers, "
-        f"{samples} prompts of {prompt_len} tokens, batch {batch}, up to {max_new_tokens} new tokens, greedy"
+        f"{samples} prompts of {prompt_len} tokens, batch {batch}, {max_new_tokens} new tokens each, greedy"
     )
     print(f"{'system':<20}{'tok/s':>9}{'x merged':>10}{'tokens':>8}{'predict s':>11}  note")
     ref = records[1].tok_s
