@@ -20,6 +20,10 @@ times a power of two are exact in fp32 and bf16). Seeds are printed.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +39,8 @@ from kt_ft.quant.detect import take_quantization_config
 
 mxfp4_module = pytest.importorskip("transformers.integrations.mxfp4")
 
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 2**20
 SEED = 0
 F = FORMATS["mxfp4"]
 EXPERTS = "model.layers.{}.mlp.experts"
@@ -370,3 +376,134 @@ def test_manifest_records_mxfp4_and_merge_refuses_it(tmp_path, capsys):
     merged = tmp_path / "merged"
     assert cli(["merge", str(tmp_path / "adapter"), str(merged), "--base", str(tmp_path / "plain")]) == 0
     assert detect_format(json.loads((merged / "config.json").read_text())) is None
+
+
+# --- plans and memory ---------------------------------------------------------------------------
+
+GPT_OSS_20B = dict(
+    model_type="gpt_oss",
+    architectures=["GptOssForCausalLM"],
+    vocab_size=201088,
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 12,
+    torch_dtype="bfloat16",
+    quantization_config=F.quantization_config(),
+)
+
+
+def test_rules_plan_counts_mxfp4_experts_as_stored(tmp_path, capsys):
+    """gpt-oss-20b's config with its MXFP4 experts, from config.json alone: the CPU holds each
+    expert weight's stored bytes (half a byte a weight + a byte per 32), by hand from the shapes,
+    and the experts' biases in bf16; everything else is counted as for the same config in bf16."""
+
+    def plan(config):
+        d = tmp_path / config.get("quantization_config", {}).get("quant_method", "bf16")
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        capsys.readouterr()
+        assert (
+            cli(["rules", "plan", "--rule", "gpt_oss", "--model", str(d), "--cpu-infer", "16", "--json"]) == 0
+        )
+        return json.loads(capsys.readouterr().out)
+
+    mx = plan(GPT_OSS_20B)
+    bf16 = plan({k: v for k, v in GPT_OSS_20B.items() if k != "quantization_config"})
+    assert mx["expert_format"] == "mxfp4" and bf16["expert_format"] is None
+    weights = 24 * 32 * 3 * 2880 * 2880  # gate, up, down per expert
+    stored = weights // 2 + weights // 32
+    cpu_mx, cpu_bf16 = mx["devices"]["cpu"]["param_bytes"], bf16["devices"]["cpu"]["param_bytes"]
+    print(f"gpt-oss-20b experts in RAM: mxfp4 {cpu_mx / 2**30:.2f} GiB, bf16 {cpu_bf16 / 2**30:.2f} GiB")
+    assert cpu_bf16 - cpu_mx == 2 * weights - stored
+
+
+_PROBE = r"""
+import json, sys, torch
+from pathlib import Path
+from transformers import AutoConfig
+from kt_ft.models import FAMILIES
+from kt_ft.moe import loading
+from kt_ft.quant.detect import take_quantization_config
+from kt_ft.rules import load_rules, resolve_rule_path
+
+def status(key):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+def load(d):
+    config = AutoConfig.from_pretrained(d)
+    take_quantization_config(config)
+    rules = load_rules(resolve_rule_path("gpt_oss"))
+    dm, plan = loading.planned_device_map(config, rules, FAMILIES["gpt_oss"], "torch", 1, "cpu")
+    return loading.load_planned(d, dm, plan, dtype=torch.bfloat16), plan
+
+load(sys.argv[2])  # warm-up: imports, allocator, code paths
+Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+rss0 = status("VmRSS:")
+model, plan = load(sys.argv[1])
+peak = status("VmHWM:") - rss0
+experts = [getattr(model.get_submodule(e.name), n) for e in plan.experts for n in ("gate_up_proj", "down_proj")]
+print(json.dumps({
+    "peak": peak,
+    "stored": sum(q.nbytes() for q in experts),
+    "bf16": sum(q.dequantize_bytes() for q in experts),
+    "other": sum(p.numel() * p.element_size() for p in model.parameters()),
+    "kinds": sorted({type(q).__name__ for q in experts}),
+}))
+"""
+
+
+def _random_gpt_oss(out, **cfg) -> None:
+    """A random bf16 gpt_oss (transformers' save layout), built on meta then filled (fast)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fam = FAMILIES["gpt_oss"]
+    config = AutoConfig.for_model("gpt_oss", vocab_size=128, **{**fam.demo_config, **cfg})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.05, 0.05, generator=gen)
+        for b in model.buffers():
+            b.zero_()
+    model.save_pretrained(out)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
+def test_loading_mxfp4_peaks_below_the_bf16_experts(tmp_path):
+    """Loading an MXFP4 gpt_oss (32 experts of H 512, I 512, 2 layers: 96 MiB of experts in
+    bf16, 25.5 MiB stored) in a fresh process: the experts are QuantizedExperts, and the peak RSS
+    growth stays below the experts' bf16 size and within 1.1 x their stored bytes + the rest +
+    48 MiB (the bound tests/test_quant.py holds fp8 to)."""
+    from kt_ft.export.quantize import quantize_checkpoint
+
+    _random_gpt_oss(tmp_path / "bf16", hidden_size=512, intermediate_size=512, num_local_experts=32)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / "mxfp4", "mxfp4")
+    _random_gpt_oss(tmp_path / "wbf16")
+    quantize_checkpoint(tmp_path / "wbf16", tmp_path / "warm", "mxfp4")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(tmp_path / "mxfp4"), str(tmp_path / "warm")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(
+        f"experts {r['stored'] / MiB:.0f} MiB stored mxfp4 ({r['bf16'] / MiB:.0f} MiB as bf16), rest "
+        f"{r['other'] / MiB:.0f} MiB: peak RSS growth {r['peak'] / MiB:.0f} MiB"
+    )
+    assert r["kinds"] == ["QuantizedExperts"]
+    assert r["peak"] < r["bf16"]
+    assert r["peak"] <= 1.1 * r["stored"] + r["other"] + 48 * MiB
