@@ -507,3 +507,37 @@ def test_loading_mxfp4_peaks_below_the_bf16_experts(tmp_path):
     assert r["kinds"] == ["QuantizedExperts"]
     assert r["peak"] < r["bf16"]
     assert r["peak"] <= 1.1 * r["stored"] + r["other"] + 48 * MiB
+
+
+@pytest.mark.lf_subprocess
+def test_lr0_losses_through_llamafactory_cli_match_the_dequantized_copy(tmp_path):
+    """``llamafactory-cli train`` (use_kt) on the gpt_oss demo quantized to MXFP4 (experts read and
+    kept MXFP4) and on its ``kt-ft dequantize --dtype fp32`` copy (dense experts): the same losses at
+    lr 0 (the same model every step), rel 1e-5 (fp32), over 2 steps. The reference is kt-ft's dense
+    path (checked against transformers + PEFT in tests/test_parity.py): use_kt: false cannot load a
+    gpt_oss here (LLaMA-Factory 0.9.5's gpt-oss attention set-up needs a transformers function 5.6
+    does not have; kt-ft works around it only with use_kt)."""
+    pytest.importorskip("llamafactory")
+    from lf_runs import LOSS_RTOL, finish, start_train, step_losses
+
+    from kt_ft.demo import make_demo_model
+
+    assets = make_demo_model(tmp_path / "demo", family="gpt_oss")
+    q, plain = tmp_path / "mxfp4", tmp_path / "fp32"
+    assert cli(["quantize", str(assets / "model"), str(q), "--format", "mxfp4"]) == 0
+    assert cli(["dequantize", str(q), str(plain), "--dtype", "fp32"]) == 0
+    common = dict(learning_rate=0.0, max_steps=2, save_steps=10)
+    losses = {}
+    for name, model_dir in (("mxfp4", q), ("dense", plain)):
+        rc, log = finish(start_train(assets, tmp_path / name, model_name_or_path=model_dir, **common))
+        assert rc == 0, log[-4000:]
+        losses[name] = step_losses(tmp_path / name)
+    assert (
+        "routed experts: " in (tmp_path / "mxfp4.log").read_text()
+        and "of mxfp4" in (tmp_path / "mxfp4.log").read_text()
+    )  # kt-ft's quantized reader ran
+    got, want = losses["mxfp4"], losses["dense"]
+    print(f"losses MXFP4 {got}, dequantized copy {want}")
+    assert sorted(got) == sorted(want) == [1, 2]
+    for step in got:
+        assert abs(got[step] - want[step]) <= LOSS_RTOL * abs(want[step]), (step, got[step], want[step])
