@@ -148,6 +148,30 @@ def test_quantize_writes_gpt_oss_hub_layout(oss):
         quantize_checkpoint(oss / "qwen", oss / "qwen_mx", "mxfp4")
 
 
+def test_a_wrong_scale_shape_names_the_tensor_and_file(oss, tmp_path):
+    """A stored tensor of another shape (scales of a 64-wide group) stops the load before any
+    expert is read, naming the tensor, its file, what it is and what the format wants."""
+    from safetensors.torch import load_file, save_file
+
+    from kt_ft.quant.loading import find_quantized_sources
+    from kt_ft.rules.skeleton import meta_model
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tensors = load_file(oss / "mxfp4" / "model.safetensors")
+    key = f"{EXPERTS.format(1)}.gate_up_proj_scales"
+    tensors[key] = torch.zeros(8, 64, 1, dtype=torch.uint8)
+    save_file(tensors, bad / "model.safetensors")
+    (bad / "config.json").write_text((oss / "mxfp4" / "config.json").read_text())
+    config = tiny_model("gpt_oss").config
+    names = [EXPERTS.format(i) for i in range(2)]
+    with pytest.raises(KTConfigError) as err:
+        find_quantized_sources(bad, meta_model(config, torch.bfloat16), names, F)
+    msg = str(err.value)
+    assert key in msg and str(bad / "model.safetensors") in msg and "U8 [8, 64, 1]" in msg, msg
+    assert "uint8 [8, 64, 2]" in msg, msg
+
+
 def _load(model_dir, backend="torch", dtype=torch.float32):
     """kt-ft's loader + KTExperts (rank 4, alpha 8: s = 2), expert LoRA B random, every float
     parameter trainable (the router and embeddings get gradients through the routing weights and

@@ -6,10 +6,14 @@ transformers is given the config without its ``quantization_config`` and the rou
 ``from_pretrained``, ``QuantizedExpertReader.fill``:
 
 1. reads each routed expert's stored tensors (``formats.py``: fp8 bytes + block scales, packed
-   int4 + group scales, int8 + channel scales) with ``os.preadv`` straight into one tensor per
-   stored name stacked over experts, and puts a ``QuantizedExperts`` where the fused parameter
-   was: RAM holds the files' bytes of the experts, no bf16 copy at any point (each layer's file
-   range is dropped from the page cache after it is read, as ``moe/expert_reading.py`` does);
+   int4 + group scales, int8 + channel scales, mxfp4 blocks + e8m0 scales) with ``os.preadv``
+   straight into one tensor per stored name stacked over experts, and puts a ``QuantizedExperts``
+   where the fused parameter was: RAM holds the files' bytes of the experts, no bf16 copy at any
+   point (each layer's file range is dropped from the page cache after it is read, as
+   ``moe/expert_reading.py`` does). gpt-oss's files store the experts fused over experts and
+   transposed (``{experts}.gate_up_proj_blocks`` [E, 2I, H/32, 16] for the [E, H, 2I] parameter):
+   read expert by expert the same way into a ``QuantizedExperts(transposed=True)``, its bf16
+   biases beside them into their parameters (``find_plain_expert_tensors``);
 2. puts every other linear layer the files store quantized (attention, dense and shared-expert
    projections of DeepSeek-V3's fp8 files) in a ``QuantizedLinear`` (``linear.py``) holding the
    stored tensors, dequantized inside each call (``KT_FT_KEEP_QUANTIZED_LINEAR=0``, or a weight
