@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     quant = sub.add_parser(
         "quantize",
-        help="write a bf16 checkpoint with quantized weights (fp8 blocks, int4 groups, int8 channels)",
+        help="write a bf16 checkpoint with quantized weights (fp8 blocks, int4 groups, int8 channels, mxfp4)",
     )
     quant.add_argument("model", help="local model dir (bf16/fp16/fp32 safetensors)")
     quant.add_argument(
@@ -449,12 +449,15 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument(
         "--format",
         required=True,
-        choices=["int8", "fp8", "int4"],
+        choices=["int8", "fp8", "int4", "mxfp4"],
         help="fp8: every projection, 128x128-block scales (DeepSeek-V3's layout); int4: routed experts, "
-        "group 32 (compressed-tensors pack-quantized, Kimi K2's); int8: routed experts, per channel",
+        "group 32 (compressed-tensors pack-quantized, Kimi K2's); int8: routed experts, per channel; "
+        "mxfp4: gpt_oss's routed experts, fp4 with a power-of-two scale per 32 (gpt-oss's hub layout)",
     )
     quant.set_defaults(func=_quantize)
-    dequant = sub.add_parser("dequantize", help="write a quantized checkpoint (fp8, int4, int8) back in bf16")
+    dequant = sub.add_parser(
+        "dequantize", help="write a quantized checkpoint (fp8, int4, int8, mxfp4) back in bf16"
+    )
     dequant.add_argument("model", help="local quantized model dir")
     dequant.add_argument("out", help="output directory (must not exist)")
     dequant.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="output dtype")

@@ -38,6 +38,8 @@ from kt_ft.quant.formats import pack_int4
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 SEED = 0
+# the formats of DeepSeek-V3-layout checkpoints (mxfp4 is gpt-oss's fused layout: tests/test_mxfp4.py)
+PER_EXPERT_FORMATS = ("fp8", "int4", "int8")
 
 
 # --- formats --------------------------------------------------------------------------------
@@ -47,11 +49,12 @@ SEED = 0
 def test_dequantize_matches_the_plain_twin(fmt):
     """Vectorised dequantize == the loop-over-blocks/groups/nibbles twin, bitwise; stored tensors
     have the shapes and dtypes the format declares; the error against the original weight is
-    what the format allows (fp8 e4m3: 3 mantissa bits; int4: 16 levels; int8: 255)."""
+    what the format allows (fp8 e4m3: 3 mantissa bits; int4: 16 levels; int8: 255; mxfp4: fp4
+    values, power-of-two scales). mxfp4 stores whole groups of 32 inputs only (no shape)."""
     f = FORMATS[fmt]
     gen = torch.Generator().manual_seed(SEED)
-    bound = {"fp8": 0.04, "int4": 0.12, "int8": 0.01}[fmt]
-    for shape in [(256, 384), (100, 70), (32, 64)]:
+    bound = {"fp8": 0.04, "int4": 0.12, "int8": 0.01, "mxfp4": 0.15}[fmt]
+    for shape in [(256, 384), (100, 96 if fmt == "mxfp4" else 70), (32, 64)]:
         w = torch.randn(shape, generator=gen) * 0.02
         parts = f.quantize(w.to(torch.bfloat16))
         declared = {s.name: (s.shape, s.dtype) for s in f.stored(*shape)}
@@ -123,7 +126,7 @@ def tiny_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     tiny_model("deepseek_v3", seed=SEED).to(torch.bfloat16).save_pretrained(root / "bf16")
     (root / "bf16" / "tokenizer_config.json").write_text('{"model_max_length": 64}')
-    for fmt in FORMATS:
+    for fmt in PER_EXPERT_FORMATS:
         assert cli(["quantize", str(root / "bf16"), str(root / fmt), "--format", fmt]) == 0
     return root
 
@@ -131,7 +134,7 @@ def tiny_ckpts(tmp_path_factory):
 def test_quantize_writes_the_layout_and_copies_the_rest(tiny_ckpts, tmp_path):
     """config.json gets the format's quantization_config, the tokenizer files are copied, no
     temporary directory is left, an existing OUT is refused, and a failure leaves no OUT."""
-    for fmt in FORMATS:
+    for fmt in PER_EXPERT_FORMATS:
         out = tiny_ckpts / fmt
         assert detect_format(json.loads((out / "config.json").read_text())) is FORMATS[fmt]
         assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 64}'
@@ -426,7 +429,8 @@ def test_quantized_linear_is_the_dequantized_linear(fmt, dtype):
 
     gen = torch.Generator().manual_seed(SEED)
     print(f"seed {SEED}")
-    out, inp = 48, 80  # not multiples of the FP8 block (128) nor of the INT4 group times 8
+    # not multiples of the FP8 block (128) nor of the INT4 group times 8; mxfp4: whole groups of 32
+    out, inp = 48, 96 if fmt == "mxfp4" else 80
     f = FORMATS[fmt]
     stored = f.quantize(torch.randn(out, inp, generator=gen) * 0.1)
     bias = torch.randn(out, generator=gen).to(dtype)

@@ -12,11 +12,11 @@ vision-language model); for
 gpt_oss (the base's config.json says the family) fused in its own layout: ``{T}.gate_up_proj``
 [E, H, 2I] with gate/up interleaved (columns 0::2 gate, 1::2 up) and ``{T}.down_proj``
 [E, I, H], so the deltas are transposed and interleaved to match; its biases have no LoRA and
-are copied. An MXFP4-quantized gpt_oss base (``gate_up_proj_blocks`` / ``_scales``, as the hub
-checkpoints ship) is refused: merge folds into bf16/fp32 weights. So is a base kt-ft read
-quantized (fp8 / int4 / int8, ``kt_ft.quant``): folding W + s*B@A and re-quantizing would round
-most of the update away; ``kt-ft dequantize`` it first (its output is accepted as the base of an
-adapter trained on the quantized checkpoint), or keep the adapter separate for serving.
+are copied. A base kt-ft read quantized (fp8 / int4 / int8 / mxfp4, ``kt_ft.quant``; gpt-oss's
+MXFP4 ``gate_up_proj_blocks`` / ``_scales`` as the hub checkpoints ship, also without a
+``quantization_config``) is refused: folding W + s*B@A and re-quantizing would round most of the
+update away; ``kt-ft dequantize`` it first (its output is accepted as the base of an adapter
+trained on the quantized checkpoint), or keep the adapter separate for serving.
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ def _expert_deltas(adapter: KTAdapter, names: set[str], layout: str = "fused_sil
         if f"{target}.gate_up_proj_blocks" in names:
             raise KTConfigError(
                 f"{adapter.path}: the base model stores {target} MXFP4-quantized (gate_up_proj_blocks / _scales, "
-                "as the gpt-oss hub checkpoints do; training saw them dequantized to bf16); merge folds the LoRA "
-                "into bf16/fp32 weights only: train from a bf16 copy of the model to merge, or use `kt-ft convert` "
-                "and apply the adapter at inference"
+                "as the gpt-oss hub checkpoints do); merge folds the LoRA into bf16/fp32 weights only: "
+                "`kt-ft dequantize` the base (with its quantization_config) and merge with --base on that copy, "
+                "or use `kt-ft convert` and apply the adapter at inference"
             )
         if layout == "gpt_oss" and f"{target}.gate_up_proj" in names:
             out[f"{target}.gate_up_proj"], out[f"{target}.down_proj"] = _gpt_oss_deltas(lora, s)

@@ -9,10 +9,16 @@ serving engines) read the result as they read those:
   as they are; ``quantization_config.quant_method: fp8``;
 * ``int4`` / ``int8``: the routed experts only (compressed-tensors ``pack-quantized`` group 32 /
   ``int-quantized`` channel), every other projection listed in ``ignore``, as Kimi K2 Thinking's
-  files.
+  files;
+* ``mxfp4``: gpt_oss's routed experts only, as gpt-oss's hub files: the fused
+  ``{experts}.gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H] become
+  ``{experts}.gate_up_proj_blocks`` [E, 2I, H/32, 16] / ``_scales`` [E, 2I, H/32] (each expert's
+  weight transposed to [out, in] and quantized; gate/up rows keep their interleaved order) and the
+  same for ``down_proj``; the biases and everything else stay as they are.
 
 ``dequantize`` is the inverse (every stored-quantized weight back to one dtype, the
-``quantization_config`` dropped): a plain checkpoint ``merge`` and transformers read. Its
+``quantization_config`` dropped; gpt-oss's fused ``_blocks`` / ``_scales`` back to the fused
+transposed parameter): a plain checkpoint ``merge`` and transformers read. Its
 config.json records ``kt_ft_dequantized_from`` (the format and the sha256 of the quantized
 checkpoint's config.json), so ``merge`` accepts it as the base of an adapter trained on the
 quantized checkpoint.
@@ -47,6 +53,8 @@ logger = get_logger(__name__)
 
 INDEX = "model.safetensors.index.json"
 ROUTED = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+# gpt_oss's fused routed experts, [E, in, out] (x @ W): what ``--format mxfp4`` quantizes
+FUSED_TRANSPOSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 PROJ = re.compile(r"(proj|proj_with_mqa|\.w[123])\.weight$")
 DEQUANTIZED_FROM = "kt_ft_dequantized_from"  # config.json key: the quantized checkpoint's config sha256
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -133,9 +141,39 @@ def _rewrite(model_dir: Path, out_dir: Path, convert, desc: str, config_edit) ->
     return dict(counts)
 
 
+def quantize_fused_transposed(fmt: QuantFormat, t: torch.Tensor, key: str) -> dict[str, torch.Tensor]:
+    """A fused experts tensor [E, in, out] (gpt_oss: used as x @ W) -> ``{key}_{stored}`` stacked over
+    experts, each expert's [out, in] transpose quantized (gpt-oss's MXFP4 files)."""
+    num, inp, out = t.shape
+    problem = fmt.shape_problem(out, inp)
+    if problem:
+        raise KTConfigError(f"{key} {list(t.shape)}: {problem}")
+    per_expert = [fmt.quantize(t[e].t()) for e in range(num)]
+    return {f"{key}_{name}": torch.stack([p[name] for p in per_expert]) for name in per_expert[0]}
+
+
+def dequantize_fused_transposed(
+    fmt: QuantFormat, parts: dict[str, torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
+    """The inverse of ``quantize_fused_transposed``: {stored name: [E, ...]} -> [E, in, out] in ``dtype``."""
+    num = next(iter(parts.values())).shape[0]
+    return torch.stack([fmt.dequantize({n: t[e] for n, t in parts.items()}, dtype).t() for e in range(num)])
+
+
+def _mxfp4_family_check(model_dir: Path) -> None:
+    """--format mxfp4 writes gpt-oss's layout: the fused gpt_oss experts only."""
+    model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    if model_type != "gpt_oss":
+        raise KTConfigError(
+            f"{config_source(model_dir)}: model_type={model_type!r}; --format mxfp4 writes gpt-oss's fused MXFP4 "
+            "experts (gate_up_proj_blocks / _scales), for model_type 'gpt_oss' only; valid formats for other "
+            f"models: {', '.join(n for n in FORMATS if n != 'mxfp4')}"
+        )
+
+
 def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt_name: str) -> dict:
     """Write ``model_dir`` (a plain checkpoint) to ``out_dir`` in format ``fmt_name`` (int8, fp8,
-    int4). Returns {quantized, kept, bytes_in, bytes_out}."""
+    int4, mxfp4). Returns {quantized, kept, bytes_in, bytes_out}."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if fmt_name not in FORMATS:
         raise KTConfigError(f"--format {fmt_name!r} is unknown; valid choices: {', '.join(FORMATS)}")
@@ -148,10 +186,18 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt_name: st
             raise KTConfigError(
                 f"{config_source(model_dir)}: the checkpoint is already {existing.name}; `kt-ft dequantize` it first"
             )
+        if fmt.name == "mxfp4":
+            _mxfp4_family_check(model_dir)
     ignored: set[str] = set()
 
     def convert(key, f, keys, counts):
         t = f.get_tensor(key)
+        if fmt.name == "mxfp4":
+            if t.dim() == 3 and t.is_floating_point() and FUSED_TRANSPOSED.search(key):
+                counts["quantized"] += t.shape[0]
+                return quantize_fused_transposed(fmt, t, key)
+            counts["kept"] += 1
+            return {key: t}
         if not _selected(fmt, key, t):
             counts["kept"] += 1
             if t.dim() == 2 and PROJ.search(key):
@@ -163,7 +209,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt_name: st
 
     def edit(config):
         qc = fmt.quantization_config()
-        if fmt.name != "fp8":
+        if fmt.name in ("int4", "int8"):
             qc["ignore"] = sorted(ignored | {"lm_head"})
         config["quantization_config"] = qc
 
@@ -192,6 +238,14 @@ def dequantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str
     marker = fmt.marker()
 
     def convert(key, f, keys, counts):
+        if key.endswith("_" + marker) and FUSED_TRANSPOSED.search(key[: -len(marker) - 1]):
+            stem = key[: -len(marker) - 1]  # gpt-oss's fused experts: {stem}_blocks, {stem}_scales
+            parts = {n: f.get_tensor(f"{stem}_{n}") for n in names}
+            counts["dequantized"] += parts[marker].shape[0]
+            return {stem: dequantize_fused_transposed(fmt, parts, DTYPES[dtype])}
+        fused_stem = key.rpartition("_")[0]
+        if key.rpartition("_")[2] in names and f"{fused_stem}_{marker}" in keys:
+            return {}  # a part of a fused quantized weight: written with its marker
         if key.endswith("." + marker):
             stem = key[: -len(marker)]
             parts = {n: f.get_tensor(stem + n) for n in names}

@@ -120,7 +120,8 @@ def _t(w: torch.Tensor) -> torch.Tensor:
 
 def base_mm(a: torch.Tensor, w, groups: Groups, transpose: bool) -> torch.Tensor:
     """Rows of expert e of ``a`` [N, K] times the frozen base weight of e: ``w[e]^T`` (``transpose``,
-    w [G, M, K]: the forward products) or ``w[e]`` (w [G, K, M]: the backward ones) -> [N, M].
+    w [G, M, K]: the forward products of the default layout, the backward ones of a transposed
+    layout) or ``w[e]`` (w [G, K, M]: the other way round) -> [N, M].
 
     Dense weights: one grouped product (``grouped_mm``). Weights kept quantized
     (``kt_ft.quant.QuantizedExperts``, on the device in their stored form): one expert at a time,
@@ -153,7 +154,7 @@ def grouped_expert_forward(
     inter = base.intermediate
     rank = lora.gate_a.shape[1]
     gs, us = spec.gate_up_cols(inter)
-    gu = grouped_mm(x, base.gate_up, groups) if spec.transposed else base_mm(x, base.gate_up, groups, True)
+    gu = base_mm(x, base.gate_up, groups, not spec.transposed)
     if base.gate_up_bias is not None:
         gu = gu + base.gate_up_bias.index_select(0, groups.row_expert)
     # gate and up LoRA A as one product: [Ag; Au] [G, 2r, H]
@@ -163,7 +164,7 @@ def grouped_expert_forward(
     g = gu[:, gs] + scaling * lo_g
     u = gu[:, us] + scaling * lo_u
     h = gated_act(g, u, spec).contiguous()  # [N, I]
-    d = grouped_mm(h, base.down, groups) if spec.transposed else base_mm(h, base.down, groups, True)  # [N, H]
+    d = base_mm(h, base.down, groups, not spec.transposed)  # [N, H]
     d = d + scaling * grouped_mm(grouped_mm(h, _t(lora.down_a), groups), _t(lora.down_b), groups)
     if base.down_bias is not None:
         d = d + base.down_bias.index_select(0, groups.row_expert)
@@ -215,13 +216,9 @@ class FusedGroupedExperts(torch.autograd.Function):
         # [G, 2r, H] ([Ag; Au]), [G, 2I, 2r] (Bg, Bu in the gate / up rows, zeros elsewhere), Ad, Bd; dt
         a_gu, b_gu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)
         xs = x.to(dt).index_select(0, tok)  # [N, H]
-        quant = getattr(base.gate_up, "fmt", None) is not None  # kept quantized: spec is the default
+        quant = getattr(base.gate_up, "fmt", None) is not None  # kept quantized (any layout)
         # [N, 2I]: through the [G, H, 2I] view of the weights (one grouped product when dense)
-        gu = (
-            grouped_mm(xs, base.gate_up, groups)
-            if spec.transposed
-            else base_mm(xs, base.gate_up, groups, True)
-        )
+        gu = base_mm(xs, base.gate_up, groups, not spec.transposed)
         if base.gate_up_bias is not None:
             gu += base.gate_up_bias.index_select(0, groups.row_expert)
         pa = grouped_mm(xs, _t(a_gu), groups)  # [N, 2r]: [x Ag^T | x Au^T]
@@ -232,7 +229,7 @@ class FusedGroupedExperts(torch.autograd.Function):
         g, u = gu[:, gs], gu[:, us]
         h = gated_act(g, u, spec).contiguous()  # [N, I]
         pd = grouped_mm(h, _t(ad), groups)  # [N, r]
-        d = grouped_mm(h, base.down, groups) if spec.transposed else base_mm(h, base.down, groups, True)
+        d = base_mm(h, base.down, groups, not spec.transposed)
         d += scaling * grouped_mm(pd, _t(bd), groups)
         if base.down_bias is not None:
             d += base.down_bias.index_select(0, groups.row_expert)
@@ -300,11 +297,7 @@ class FusedGroupedExperts(torch.autograd.Function):
             del grad_ws
         # down: d = h Wd^T + s (h Ad^T) Bd^T
         # dh = gd @ Wd [G, H, I]
-        dh = (
-            grouped_mm(gd, w_d.transpose(1, 2), groups)
-            if spec.transposed
-            else base_mm(gd, w_d, groups, False)
-        )
+        dh = base_mm(gd, w_d, groups, spec.transposed)
         t = grouped_mm(gd, bd, groups)  # [N, r]: gd @ Bd
         grad_db = grouped_mm_k(gd.t(), pd, groups).mul_(s)  # [G, H, r]
         del gd
@@ -325,11 +318,7 @@ class FusedGroupedExperts(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             # dxs = dgu @ Wgu [G, 2I, H]
-            wgu_x = (
-                grouped_mm(dgu, w_gu.transpose(1, 2), groups)
-                if spec.transposed
-                else base_mm(dgu, w_gu, groups, False)
-            )
+            wgu_x = base_mm(dgu, w_gu, groups, spec.transposed)
             del dgu
             dxs = wgu_x.add_(grouped_mm(dpa, a_gu, groups))
             grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)

@@ -196,7 +196,7 @@ def patch_loader_module(loader: ModuleType) -> None:
             return original_patch_config(config, tokenizer, model_args, init_kwargs, is_trainable)
         from .model import plan_loading, take_quantization  # why: as attach_kt above
 
-        # before LLaMA-Factory's own quantization set-up reads it: an fp8 / int4 / int8 checkpoint is
+        # before LLaMA-Factory's own quantization set-up reads it: an fp8 / int4 / int8 / mxfp4 checkpoint is
         # read by kt-ft (its config then has no quantization_config), any other method is refused here
         take_quantization(config, model_args)
         with gpt_oss_attention(sys.modules[original_patch_config.__module__], config):

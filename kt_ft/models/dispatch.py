@@ -27,7 +27,7 @@ from ..kernels import LoraTensors, select_backend
 from ..kernels.base import DEFAULT_SPEC, ExpertWeights
 from ..moe.function import CPUExpertsFunction, ExpertRunner
 from ..quant.weights import is_quantized
-from . import _fused_silu_problems
+from . import FAMILIES, _fused_silu_problems, _gpt_oss_problems, expert_spec
 from .interface import derive_spec
 
 IMPLEMENTATION = "kt_ft"
@@ -61,11 +61,10 @@ def _runner(module: torch.nn.Module):
     if cached is not None:
         return cached
     if is_quantized(getattr(module, "gate_up_proj", None)):
-        # kt-ft's quantized reader took them: it reads only the [E, 2I, H] / [E, H, I] layout
-        # (``quant/loading.py``), and they are no parameters for ``derive_spec`` to read
-        # (the family check of ``models``: shapes, no biases, silu activation, transformers' gate)
-        problems = _fused_silu_problems(module)
-        spec = None if problems else DEFAULT_SPEC
+        # kt-ft's quantized reader took them: they are no parameters for ``derive_spec`` to read;
+        # the families' own checks say which layout they are (``models``: the default fused silu
+        # one, or gpt_oss's, which run shapes, biases and the module's gate)
+        spec, problems = _quantized_spec(module)
     else:
         spec, problems = derive_spec(module)
     if spec is None:
@@ -88,6 +87,18 @@ def _runner(module: torch.nn.Module):
     lora = LoraTensors(*(torch.zeros(s, dtype=torch.float32) for s in shapes))
     module._kt_ft_runner = (runner, lora)
     return runner, lora
+
+
+def _quantized_spec(module: torch.nn.Module):
+    """(spec, problems) of an experts module whose weights are kept quantized: the default layout
+    if it passes that check, else gpt_oss's if it passes that one, else (None, both lists)."""
+    problems = _fused_silu_problems(module)
+    if not problems:
+        return DEFAULT_SPEC, []
+    oss = _gpt_oss_problems(module)
+    if not oss:
+        return expert_spec(FAMILIES["gpt_oss"], module), []
+    return None, [*problems, *(f"(as gpt_oss) {p}" for p in oss)]
 
 
 def kt_ft_experts_forward(

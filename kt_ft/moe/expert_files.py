@@ -20,9 +20,10 @@ Layouts found in checkpoints of the supported families (transformers 5.6's
 
 ``prefix`` is the module's dotted name, or Mixtral's ``block_sparse_moe`` in place of ``mlp``,
 or with ``model.language_model.`` in place of ``model.`` (a vision-language composite's text
-weights loaded as a text model). Anything else (quantized experts such as gpt_oss's MXFP4
-``_blocks``/``_scales``, FP8 with scales, other dtypes, another layout) is not found here:
-``find_expert_sources`` returns the reason and kt-ft lets transformers load the experts.
+weights loaded as a text model). Quantized experts (gpt_oss's MXFP4 ``_blocks``/``_scales``, FP8
+with scales, INT4 / INT8) are read by ``kt_ft.quant.loading`` when config.json says so; anything
+else here (other dtypes, another layout) is not found: ``find_expert_sources`` returns the reason
+and kt-ft lets transformers load the experts.
 """
 
 from __future__ import annotations

@@ -96,11 +96,7 @@ class KTExperts(nn.Module):
                 p.data = p.data.to(CPU)
             setattr(self, name, p)
         base = ExpertWeights(*(_base_tensor(getattr(self, n, None)) for n in names), spec=spec)
-        if base.quantized is not None and not spec.is_default:
-            raise KTConfigError(
-                f"layer {layer_idx}: {base.quantized} routed experts are computed for the silu(gate) * up layout; "
-                f"these are {spec.describe()} (dequantize the checkpoint to bf16 with `kt-ft dequantize`)"
-            )
+        _check_quantized_layout(base, layer_idx)
         self.layer_idx = layer_idx
         self.num_experts, self.hidden_dim, self.intermediate_dim = (
             base.num_experts,
@@ -285,6 +281,18 @@ class KTExperts(nn.Module):
         """This layer's streaming counters (copies, bytes_streamed, hits, prefetch_hits, copies_by),
         None when it streams nothing."""
         return self.streamed.stats() if self.streamed is not None else None
+
+
+def _check_quantized_layout(base: ExpertWeights, layer_idx: int) -> None:
+    """Weights kept quantized must stand in the layout the spec reads (gpt_oss's [E, H, 2I] and
+    [E, I, H]: ``QuantizedExperts.transposed``), else the products would read them the wrong way."""
+    for name, t in (("gate_up_proj", base.gate_up), ("down_proj", base.down)):
+        if is_quantized(t) and t.transposed != base.spec.transposed:
+            raise KTConfigError(
+                f"layer {layer_idx}: {name} kept {t.fmt.name} stands for {list(t.shape)} "
+                f"({'transposed' if t.transposed else 'row-major'}), but the experts compute "
+                f"{base.spec.describe()}; `kt-ft dequantize` the checkpoint to bf16"
+            )
 
 
 def _base_tensor(p):

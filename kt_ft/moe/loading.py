@@ -115,6 +115,7 @@ def plan_expert_reader(model_dir, config, expert_names: list[str], quant=None):
     if quant is not None:
         from ..quant.loading import (
             QuantizedExpertReader,
+            find_plain_expert_tensors,
             find_quantized_sources,
         )  # why: quant.loading imports moe
 
@@ -125,14 +126,16 @@ def plan_expert_reader(model_dir, config, expert_names: list[str], quant=None):
                 f"{model_dir}: {quant.name} routed experts are read by kt-ft itself, and {why}; "
                 f"give a local checkpoint directory (with {STREAM_ENV} unset)"
             )
-        sources = find_quantized_sources(path, meta_model(config, torch.bfloat16), expert_names, quant)
+        skeleton = meta_model(config, torch.bfloat16)
+        sources = find_quantized_sources(path, skeleton, expert_names, quant)
+        plain = find_plain_expert_tensors(path, skeleton, expert_names, quant)
         stored = ", ".join(s.name for s in quant.stored(1, 1))
         logger.info(
             f"{model_dir}: {quant.name} checkpoint; transformers loads it as a plain model, so its load report "
             f"lists the quantized tensors ({stored}) as UNEXPECTED and may list the routed experts as MISSING: "
             "kt-ft reads those itself right after it (routed experts kept quantized, the rest dequantized)"
         )
-        return QuantizedExpertReader(path, list(expert_names), sources, quant)
+        return QuantizedExpertReader(path, list(expert_names), sources, quant, plain)
     if not enabled(STREAM_ENV):
         logger.info(f"{STREAM_ENV}=0: transformers loads the routed experts")
         return None

@@ -60,7 +60,7 @@ import torch
 from ..kernels.base import ExpertWeights
 from ..log import fmt_bytes, get_logger
 from ..placement.cost import STREAM_BUFFERS
-from ..quant.weights import QuantizedExperts, is_quantized
+from ..quant.weights import is_quantized
 
 logger = get_logger(__name__)
 
@@ -351,7 +351,7 @@ class StreamedExperts:
             else:
                 stored[i][where[0]][where[1]] = v
         for i, q in self._quant.items():
-            parts[i] = QuantizedExperts(q.fmt, stored[i], q.part_rows, q.cols, q.dtype)
+            parts[i] = q.like(stored[i])
         return ExpertWeights(*parts, spec=self.base.spec)
 
     def copy_into(self, buf: torch.Tensor, staging: torch.Tensor | None, non_blocking: bool) -> None:

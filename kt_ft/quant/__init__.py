@@ -1,4 +1,4 @@
-"""Quantized base weights: formats (fp8 blocks, int4 packed, int8 channels), their plain
+"""Quantized base weights: formats (fp8 blocks, int4 packed, int8 channels, mxfp4 groups), their plain
 reference twins, the expert weight kept quantized in RAM, reading it from the files, and
 detecting a checkpoint's format from its config."""
 

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KTConfigError
-from .formats import FORMATS, FP8_BLOCK, INT4_GROUP, QuantFormat
+from .formats import FORMATS, FP8_BLOCK, INT4_GROUP, MXFP4_GROUP, QuantFormat
 
 SUPPORTED = (
     f"fp8 (fmt e4m3, weight_block_size [{FP8_BLOCK}, {FP8_BLOCK}]: DeepSeek-V3/R1), "
-    f"compressed-tensors pack-quantized (int4, symmetric, group {INT4_GROUP}: Kimi K2 Thinking) and "
-    "compressed-tensors int-quantized (int8, symmetric, channel: kt-ft quantize --format int8)"
+    f"compressed-tensors pack-quantized (int4, symmetric, group {INT4_GROUP}: Kimi K2 Thinking), "
+    "compressed-tensors int-quantized (int8, symmetric, channel: kt-ft quantize --format int8) and "
+    f"mxfp4 (fp4 e2m1, e8m0 scale per {MXFP4_GROUP}: gpt-oss's routed experts)"
 )
 _FIX = "convert the checkpoint to bf16 (or to one of those with `kt-ft quantize`) first"
 
@@ -104,6 +105,8 @@ def detect_format(config: Any, source: str | Path = "config.json") -> QuantForma
         return _fp8(qc, where)
     if method == "compressed-tensors":
         return _compressed_tensors(qc, where)
+    if method == "mxfp4":  # one scheme; modules_to_not_convert lists what the files keep in bf16
+        return FORMATS["mxfp4"]
     raise _bad(where, "quantization_config.quant_method", method)
 
 

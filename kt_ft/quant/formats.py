@@ -13,6 +13,12 @@ distributed in, so kt-ft reads those checkpoints as they are:
   ``weight_scale`` bf16 [out, ceil(in/32)], ``weight_shape`` int64 [2] = (out, in); W = q * s.
 * ``int8`` (compressed-tensors ``int-quantized``, channel strategy): ``weight`` int8 [out, in]
   and ``weight_scale`` float32 [out, 1], symmetric; W = q * s per output row.
+* ``mxfp4`` (OCP microscaling FP4, ``quant_method: mxfp4``, gpt-oss's routed experts): groups of
+  32 along ``in`` (``in`` a multiple of 32: the files keep no shape to cut padding off):
+  ``blocks`` uint8 [out, in/32, 16], element j of a group in byte j // 2, the low nibble for even
+  j (an fp4 e2m1 code: bit 3 the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6), and
+  ``scales`` uint8 [out, in/32], an e8m0 exponent; W = value * 2^(scale - 127). gpt-oss stores
+  them fused over experts under ``{experts}.gate_up_proj_blocks`` etc. (``quant/loading.py``).
 
 The dequantizers here are vectorised (the path training takes, one expert at a time);
 ``reference.py`` holds plain twins written differently (loops over blocks, groups and nibbles)
@@ -34,24 +40,40 @@ import torch
 _TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
+# fp4 e2m1 magnitudes of codes 0..7 (code bit 3 is the sign): the OCP MX spec's table
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _build_table(kind: str) -> torch.Tensor:
+    b = torch.arange(256)
+    if kind == "fp8":
+        return b.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    if kind == "int4":
+        return torch.stack([b % 16 - 8, b // 16 - 8], 1).float()
+    if kind == "e2m1":  # byte -> (value of its low nibble, value of its high nibble)
+        vals = torch.tensor(E2M1 + tuple(-v for v in E2M1))
+        return torch.stack([vals[b % 16], vals[b // 16]], 1)
+    # e8m0: byte -> 2^(byte - 127) (255 gives inf; the spec's NaN, not written by any encoder)
+    return torch.exp2(b.double() - 127).float()
+
+
 def _table(kind: str, device: torch.device) -> torch.Tensor:
     """Lookup tables, one per device: ``fp8`` [256] float32 (byte -> its e4m3 value), ``int4``
-    [256, 2] float32 (byte -> the codes of its low and high nibble, minus the offset 8)."""
+    [256, 2] float32 (byte -> the codes of its low and high nibble, minus the offset 8), ``e2m1``
+    [256, 2] float32 (byte -> the fp4 values of its low and high nibble), ``e8m0`` [256] float32
+    (byte -> 2^(byte - 127))."""
     key = (kind, device)
     t = _TABLES.get(key)
     if t is None:
-        b = torch.arange(256)
-        if kind == "fp8":
-            t = b.to(torch.uint8).view(torch.float8_e4m3fn).float()
-        else:
-            t = torch.stack([b % 16 - 8, b // 16 - 8], 1).float()
-        t = _TABLES[key] = t.to(device)
+        t = _TABLES[key] = _build_table(kind).to(device)
     return t
 
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT4_GROUP = 32
+MXFP4_GROUP = 32
+E8M0_BIAS = 127
 
 
 @dataclass(frozen=True)
@@ -92,6 +114,10 @@ class QuantFormat:
     def quantization_config(self) -> dict:
         """The ``quantization_config`` of config.json for a checkpoint in this format."""
         raise NotImplementedError
+
+    def shape_problem(self, out: int, inp: int) -> str | None:
+        """Why a weight [out, in] cannot be stored in this format (None: it can)."""
+        return None
 
     def nbytes(self, out: int, inp: int) -> int:
         """Bytes one weight [out, in] takes stored."""
@@ -279,7 +305,72 @@ class Int8Channel(QuantFormat):
         }
 
 
-FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Int8Channel(), Fp8Block(), Int4Packed())}
+class Mxfp4(QuantFormat):
+    name = "mxfp4"
+    description = (
+        "fp4 e2m1 weights, e8m0 power-of-two scale per group of 32 inputs (gpt-oss `quant_method: mxfp4`)"
+    )
+
+    def stored(self, out, inp):
+        groups = -(-inp // MXFP4_GROUP)
+        return (
+            Stored("blocks", (out, groups, MXFP4_GROUP // 2), torch.uint8),
+            Stored("scales", (out, groups), torch.uint8),
+        )
+
+    def shape_problem(self, out, inp):
+        if inp % MXFP4_GROUP:
+            return f"mxfp4 stores whole groups of {MXFP4_GROUP} inputs and no shape; in={inp} is not a multiple of {MXFP4_GROUP}"
+        return None
+
+    def quantize(self, w):
+        out, inp = w.shape
+        problem = self.shape_problem(out, inp)
+        if problem:
+            raise ValueError(f"weight {list(w.shape)}: {problem}")
+        g = MXFP4_GROUP
+        wf = w.float().view(out, inp // g, g)
+        amax = wf.abs().amax(-1)
+        # the smallest power of two that brings the group's largest |w| within e2m1's 6: no clipping
+        exp = torch.ceil(torch.log2(amax / E2M1[-1])).nan_to_num(0, posinf=0, neginf=-E8M0_BIAS)
+        exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS)
+        q = wf / torch.exp2(exp)[..., None]
+        mags = torch.tensor(E2M1)
+        # nearest magnitude: count the midpoints between table entries that |q| exceeds
+        idx = torch.bucketize(q.abs().clamp(max=E2M1[-1]).contiguous(), (mags[1:] + mags[:-1]) / 2)
+        codes = (idx + 8 * q.signbit()).to(torch.uint8).view(out, inp // g, g // 2, 2)
+        return {
+            "blocks": (codes[..., 0] | (codes[..., 1] << 4)).contiguous(),
+            "scales": (exp + E8M0_BIAS).to(torch.uint8).contiguous(),
+        }
+
+    def dequantize(self, parts, dtype):
+        blocks, scales = parts["blocks"], parts["scales"]
+        out, groups, half = blocks.shape
+        dev = blocks.device
+        # each byte -> its two values (low nibble first) through one table, then the group's
+        # power of two: two passes over the weight, the product written in ``dtype``
+        vals = torch.index_select(_table("e2m1", dev), 0, blocks.contiguous().view(-1).int())
+        s = torch.index_select(_table("e8m0", dev), 0, scales.contiguous().view(-1).int())
+        w = torch.empty(out, groups * half * 2, dtype=dtype, device=dev)
+        view = (out, groups, half * 2)
+        torch.mul(vals.view(view), s.view(out, groups, 1), out=w.view(view))
+        return w
+
+    def quantization_config(self):
+        # the keys gpt-oss's config.json has; the modules listed are those it stores in bf16
+        return {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        }
+
+
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Int8Channel(), Fp8Block(), Int4Packed(), Mxfp4())}
 
 # safetensors header dtype names of the tensors the formats store
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -288,6 +379,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F8_E4M3": torch.float8_e4m3fn,
     "I8": torch.int8,
+    "U8": torch.uint8,
     "I32": torch.int32,
     "I64": torch.int64,
 }

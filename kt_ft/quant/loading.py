@@ -6,10 +6,14 @@ transformers is given the config without its ``quantization_config`` and the rou
 ``from_pretrained``, ``QuantizedExpertReader.fill``:
 
 1. reads each routed expert's stored tensors (``formats.py``: fp8 bytes + block scales, packed
-   int4 + group scales, int8 + channel scales) with ``os.preadv`` straight into one tensor per
-   stored name stacked over experts, and puts a ``QuantizedExperts`` where the fused parameter
-   was: RAM holds the files' bytes of the experts, no bf16 copy at any point (each layer's file
-   range is dropped from the page cache after it is read, as ``moe/expert_reading.py`` does);
+   int4 + group scales, int8 + channel scales, mxfp4 blocks + e8m0 scales) with ``os.preadv``
+   straight into one tensor per stored name stacked over experts, and puts a ``QuantizedExperts``
+   where the fused parameter was: RAM holds the files' bytes of the experts, no bf16 copy at any
+   point (each layer's file range is dropped from the page cache after it is read, as
+   ``moe/expert_reading.py`` does). gpt-oss's files store the experts fused over experts and
+   transposed (``{experts}.gate_up_proj_blocks`` [E, 2I, H/32, 16] for the [E, H, 2I] parameter):
+   read expert by expert the same way into a ``QuantizedExperts(transposed=True)``, its bf16
+   biases beside them into their parameters (``find_plain_expert_tensors``);
 2. puts every other linear layer the files store quantized (attention, dense and shared-expert
    projections of DeepSeek-V3's fp8 files) in a ``QuantizedLinear`` (``linear.py``) holding the
    stored tensors, dequantized inside each call (``KT_FT_KEEP_QUANTIZED_LINEAR=0``, or a weight
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,7 +37,7 @@ from tqdm import tqdm
 from ..errors import KTConfigError
 from ..log import fmt_bytes, get_logger
 from ..moe.expert_files import TensorLoc, _prefixes, read_index
-from ..moe.expert_reading import _bytes_of, _drop_cache, _read_into
+from ..moe.expert_reading import _bytes_of, _drop_cache, _point_at, _read_into
 from ..moe.shared_weights import meta_device_map
 from ..settings import enabled
 from .formats import ST_DTYPES, QuantFormat, Stored
@@ -51,12 +55,14 @@ _LAYOUTS = {
 
 @dataclass(frozen=True)
 class QuantParamSource:
-    """Where one fused expert parameter's stored tensors lie: ``parts[j][suffix][e]``."""
+    """Where one fused expert parameter's stored tensors lie: ``parts[j][suffix][e]``.
+    ``transposed``: the parameter is [E, cols, rows], the transpose of what is stored (gpt-oss)."""
 
     name: str  # e.g. model.layers.1.mlp.experts.gate_up_proj
     part_rows: tuple[int, ...]
     cols: int
     parts: tuple[dict[str, tuple[TensorLoc, ...]], ...]
+    transposed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -98,18 +104,104 @@ def _part(index, prefix: str, part: str, rows: int, cols: int, num: int, fmt: Qu
     return out, None
 
 
+_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _split_experts(loc: TensorLoc) -> tuple[TensorLoc, ...]:
+    """A tensor stacked over experts on dim 0 -> one TensorLoc per expert (its byte range)."""
+    num = loc.shape[0]
+    step = loc.nbytes // num
+    return tuple(
+        TensorLoc(
+            f"{loc.key}[{e}]", loc.file, loc.dtype, loc.shape[1:], loc.offset + e * step, step, loc.dtype_name
+        )
+        for e in range(num)
+    )
+
+
+def _fused_prefix(index, module_name: str, fmt: QuantFormat) -> str | None:
+    """The key prefix under which the experts of ``module_name`` are stored fused and quantized
+    (``{prefix}.gate_up_proj_{marker}``, gpt-oss's MXFP4 files), or None."""
+    return next((p for p in _prefixes(module_name) if f"{p}.gate_up_proj_{fmt.marker()}" in index), None)
+
+
+def _fused_sources(
+    index, prefix: str, module_name: str, module: nn.Module, fmt: QuantFormat, where: str
+) -> list[QuantParamSource]:
+    """Sources of a module whose experts are stored fused over experts: ``{prefix}.{param}_{stored}``
+    [E, ...] for ``gate_up_proj`` and ``down_proj`` (the stored weight is [out, in] per expert: a
+    module that computes x @ W, ``is_transposed``, holds its transpose [E, in, out])."""
+    transposed = bool(getattr(module, "is_transposed", False))
+    sources = []
+    for param in _WEIGHTS:
+        num, a, b = module.get_parameter(param).shape
+        rows, cols = (b, a) if transposed else (a, b)
+        problem = fmt.shape_problem(rows, cols)
+        if problem:
+            raise KTConfigError(f"{where}: {prefix}.{param} [{num}, {rows}, {cols}] as stored: {problem}")
+        part = {}
+        for st in fmt.stored(rows, cols):
+            key = f"{prefix}.{param}_{st.name}"
+            stacked = Stored(st.name, (num, *st.shape), st.dtype, st.also)
+            problem = _check(index.get(key), key, stacked, fmt, where)
+            if problem:
+                raise KTConfigError(problem)
+            part[st.name] = _split_experts(index[key])
+        sources.append(QuantParamSource(f"{module_name}.{param}", (rows,), cols, (part,), transposed))
+    return sources
+
+
+def find_plain_expert_tensors(
+    model_dir: str | Path, model: nn.Module, expert_names: list[str], fmt: QuantFormat
+) -> dict[str, TensorLoc]:
+    """Parameter name -> stored tensor for every parameter of the routed-experts modules that is
+    not a quantized weight (gpt-oss's ``gate_up_proj_bias`` [E, 2I] / ``down_proj_bias`` [E, H],
+    bf16 in the files), for modules stored fused and quantized; the shape must be the
+    parameter's and the dtype a float one (KTConfigError naming the tensor and file)."""
+    index, reason = read_index(model_dir)
+    if reason:
+        raise KTConfigError(reason)
+    out: dict[str, TensorLoc] = {}
+    for module_name in expert_names:
+        prefix = _fused_prefix(index, module_name, fmt)
+        if prefix is None:
+            continue
+        module = model.get_submodule(module_name)
+        for name, p in module.named_parameters(recurse=False):
+            if name in _WEIGHTS:
+                continue
+            key = f"{prefix}.{name}"
+            loc = index.get(key)
+            if loc is None or loc.dtype is None or tuple(loc.shape) != tuple(p.shape):
+                got = "missing" if loc is None else f"{loc.dtype_name} {list(loc.shape)}"
+                raise KTConfigError(
+                    f"{loc.file if loc else model_dir}: {key} is {got}; the model wants bf16, fp16 or fp32 {list(p.shape)}"
+                )
+            out[f"{module_name}.{name}"] = loc
+    return out
+
+
 def find_quantized_sources(
     model_dir: str | Path, model: nn.Module, expert_names: list[str], fmt: QuantFormat
 ) -> list[QuantParamSource]:
     """The stored tensors of every fused parameter of the routed-experts modules ``expert_names``
     of ``model`` (a meta skeleton: shapes only). Headers only; raises KTConfigError naming the
-    tensor and file when one is missing or has the wrong shape or dtype."""
+    tensor and file when one is missing or has the wrong shape or dtype.
+
+    Two layouts: per expert, ``{prefix}.{e}.{gate_proj|up_proj|down_proj}.{stored}`` (or Mixtral's
+    w1/w3/w2), as the fp8 / int4 / int8 checkpoints are; and fused over experts,
+    ``{prefix}.{gate_up_proj|down_proj}_{stored}`` [E, ...], as gpt-oss's MXFP4 files are (their
+    biases: ``find_plain_expert_tensors``)."""
     index, reason = read_index(model_dir)
     if reason:
         raise KTConfigError(reason)
     sources: list[QuantParamSource] = []
     for module_name in expert_names:
         module = model.get_submodule(module_name)
+        fused = _fused_prefix(index, module_name, fmt)
+        if fused is not None:
+            sources += _fused_sources(index, fused, module_name, module, fmt, str(model_dir))
+            continue
         params = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
         if set(params) != {"gate_up_proj", "down_proj"}:
             raise KTConfigError(
@@ -201,7 +293,7 @@ def fill_quantized_experts(
                             ranges[loc.file].append((loc.offset, loc.offset + loc.nbytes))
                         stacked[suffix] = t
                     parts.append(stacked)
-                qe = QuantizedExperts(fmt, parts, list(src.part_rows), src.cols, dt)
+                qe = QuantizedExperts(fmt, parts, list(src.part_rows), src.cols, dt, src.transposed)
                 _install(model, src.name, qe)
                 total += qe.nbytes()
             for file, rs in ranges.items():
@@ -214,6 +306,17 @@ def fill_quantized_experts(
         f"routed experts: {fmt_bytes(total)} of {fmt.name} ({fmt.description}) in {len(by_layer)} layers read "
         "from the safetensors files into CPU RAM, kept quantized (dequantized one expert at a time when computed)"
     )
+    return total
+
+
+def fill_plain_expert_tensors(model: nn.Module, plain: dict[str, TensorLoc]) -> int:
+    """Read each of ``plain`` (``find_plain_expert_tensors``) into its meta parameter of ``model``,
+    in that parameter's dtype. Returns bytes held."""
+    total = 0
+    for name, loc in plain.items():
+        t = read_stored(loc).to(model.get_parameter(name).dtype)
+        _point_at(model, name, t)
+        total += t.numel() * t.element_size()
     return total
 
 
@@ -332,6 +435,7 @@ class QuantizedExpertReader:
     expert_names: list[str]
     sources: list[QuantParamSource]
     fmt: QuantFormat
+    plain: dict[str, TensorLoc] = field(default_factory=dict)  # the experts' biases (gpt-oss)
 
     @property
     def nbytes(self) -> int:
@@ -350,5 +454,6 @@ class QuantizedExpertReader:
             )
         release_file_mappings(model)
         total = fill_quantized_experts(model, self.sources, self.fmt)
+        total += fill_plain_expert_tensors(model, self.plain)
         dequantize_other_weights(model, self.model_dir, self.fmt)
         return total

@@ -9,6 +9,10 @@ layer is never dequantized whole (a backend's temporary is one expert's bf16 wei
 It answers what the backends ask of a fused tensor (``shape``, ``dtype``: the compute dtype,
 ``device``, ``[e]`` with an int) and nothing else: any other indexing raises, so code that
 would read a whole layer at once fails loudly instead of materialising it.
+
+``transposed``: the fused tensor it stands for is the transpose of the stored weights, [E, cols,
+rows] (gpt-oss: ``gate_up_proj`` [E, H, 2I] is stored MXFP4 as [E, 2I, H/32, 16], rows in its
+interleaved gate/up order); ``[e]`` is then a transposed view of the dequantized [rows, cols].
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ class QuantizedExperts:
 
     ``parts``: per part (rows stacked in this order, e.g. gate then up), {suffix: tensor stacked
     over experts [E, ...]}; ``part_rows``: each part's rows; ``cols``: the input size;
-    ``dtype``: the dtype ``[e]`` returns (the training dtype).
+    ``dtype``: the dtype ``[e]`` returns (the training dtype); ``transposed``: it stands for
+    [E, cols, rows] (module doc).
     """
 
     def __init__(
@@ -35,6 +40,7 @@ class QuantizedExperts:
         part_rows: list[int],
         cols: int,
         dtype: torch.dtype,
+        transposed: bool = False,
     ) -> None:
         if len(parts) != len(part_rows) or not parts:
             raise ValueError("QuantizedExperts: one row count per part, at least one part")
@@ -43,11 +49,13 @@ class QuantizedExperts:
         self.part_rows = list(part_rows)
         self.cols = cols
         self.dtype = dtype
+        self.transposed = transposed
         self.num_experts = next(iter(parts[0].values())).shape[0]
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.num_experts, sum(self.part_rows), self.cols))
+        rows = sum(self.part_rows)
+        return torch.Size((self.num_experts, *((self.cols, rows) if self.transposed else (rows, self.cols))))
 
     def dim(self) -> int:
         return 3
@@ -73,10 +81,17 @@ class QuantizedExperts:
         return self.shape.numel() * self.dtype.itemsize
 
     def expert(self, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Expert e dequantized: [rows, cols] in ``dtype`` (default ``self.dtype``)."""
+        """Expert e dequantized: [rows, cols] in ``dtype`` (default ``self.dtype``); its [cols, rows]
+        transposed view when ``transposed``."""
         dt = dtype or self.dtype
         ws = [self.fmt.dequantize({k: t[e] for k, t in p.items()}, dt) for p in self.parts]
-        return ws[0] if len(ws) == 1 else torch.cat(ws, 0)
+        w = ws[0] if len(ws) == 1 else torch.cat(ws, 0)
+        return w.t() if self.transposed else w
+
+    def like(self, parts: list[dict[str, torch.Tensor]]) -> QuantizedExperts:
+        """The same weight's description (format, rows, cols, dtype, orientation) over other stored
+        tensors ``parts`` (a subset of experts, another device, a stream buffer's views)."""
+        return QuantizedExperts(self.fmt, parts, self.part_rows, self.cols, self.dtype, self.transposed)
 
     def __getitem__(self, e) -> torch.Tensor:
         if isinstance(e, torch.Tensor) and e.numel() == 1 and not e.is_floating_point():
@@ -91,13 +106,11 @@ class QuantizedExperts:
     def select(self, ids: list[int] | tuple[int, ...]) -> QuantizedExperts:
         """The experts ``ids`` only (a copy of their stored bytes)."""
         idx = torch.tensor(list(ids), dtype=torch.long, device=self.device)
-        parts = [{k: t.index_select(0, idx) for k, t in p.items()} for p in self.parts]
-        return QuantizedExperts(self.fmt, parts, self.part_rows, self.cols, self.dtype)
+        return self.like([{k: t.index_select(0, idx) for k, t in p.items()} for p in self.parts])
 
     def to(self, device: torch.device | str) -> QuantizedExperts:
         """The stored tensors on ``device`` (still quantized: the bytes that cross the link)."""
-        parts = [{k: t.to(device) for k, t in p.items()} for p in self.parts]
-        return QuantizedExperts(self.fmt, parts, self.part_rows, self.cols, self.dtype)
+        return self.like([{k: t.to(device) for k, t in p.items()} for p in self.parts])
 
     def leaves(self) -> list[torch.Tensor]:
         """The stored tensors, parts in order, keys in their order (``rebuild_quantized``'s input)."""
@@ -106,7 +119,9 @@ class QuantizedExperts:
     def leaves_structure(self) -> tuple[tuple, int]:
         """(what ``rebuild_quantized`` needs besides the leaves, how many leaves)."""
         keys = [tuple(p) for p in self.parts]
-        return (self.fmt, keys, self.part_rows, self.cols, self.dtype), sum(len(k) for k in keys)
+        return (self.fmt, keys, self.part_rows, self.cols, self.dtype, self.transposed), sum(
+            len(k) for k in keys
+        )
 
     def dequantize_all(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole fused weight [E, rows, cols] in ``dtype``: export and tests only."""
@@ -119,19 +134,19 @@ class QuantizedExperts:
     def __repr__(self) -> str:
         return (
             f"QuantizedExperts({self.fmt.name}, shape={tuple(self.shape)}, parts={self.part_rows}, "
-            f"computes in {self.dtype})"
+            f"{'stored transposed, ' if self.transposed else ''}computes in {self.dtype})"
         )
 
 
 def rebuild_quantized(structure: tuple, leaves: Sequence[torch.Tensor]) -> QuantizedExperts:
     """A ``QuantizedExperts`` from ``leaves_structure()[0]`` and tensors in ``leaves()``'s order
     (autograd saves the stored tensors of a quantized weight one by one)."""
-    fmt, keys, part_rows, cols, dtype = structure
+    fmt, keys, part_rows, cols, dtype, transposed = structure
     parts, i = [], 0
     for ks in keys:
         parts.append(dict(zip(ks, leaves[i : i + len(ks)], strict=True)))
         i += len(ks)
-    return QuantizedExperts(fmt, parts, part_rows, cols, dtype)
+    return QuantizedExperts(fmt, parts, part_rows, cols, dtype, transposed)
 
 
 def is_quantized(t) -> bool:

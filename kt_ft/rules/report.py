@@ -225,7 +225,11 @@ def estimate(
         on_gpu = _resident_count(e)
         per_expert = expert_numel[e.name] * elt // num
         if expert_format is not None:
-            per_expert = 2 * expert_format.nbytes(inter, hidden) + expert_format.nbytes(hidden, inter)
+            # the three weights as stored, the rest of the module (gpt_oss's biases) in the load dtype
+            rest = expert_numel[e.name] // num - 3 * inter * hidden
+            per_expert = (
+                2 * expert_format.nbytes(inter, hidden) + expert_format.nbytes(hidden, inter) + rest * elt
+            )
         dev(_device(e.device))["param_bytes"] += per_expert * num  # resident ones too: a copy goes to the GPU
         if on_gpu:
             dev(train_dev)["param_bytes"] += per_expert * on_gpu
