@@ -136,6 +136,7 @@ def _rules_plan(args: argparse.Namespace) -> int:
             cutoff_len=args.cutoff_len,
             batch=args.batch,
             lora_rank=args.lora_rank,
+            pure_bf16=args.pure_bf16,
             cpu_infer=args.cpu_infer,
             kt_backend=args.kt_backend,
             rates=args.rates,
@@ -482,6 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--cutoff-len", type=int, default=2048, help="tokens per sequence (recipe cutoff_len)")
     rp.add_argument("--batch", type=int, default=1, help="sequences per step (per_device_train_batch_size)")
     rp.add_argument("--lora-rank", type=int, default=8, help="lora_rank")
+    rp.add_argument(
+        "--pure-bf16",
+        action="store_true",
+        help="LLaMA-Factory's pure_bf16: LoRA, its grads and AdamW moments in bf16 (8 bytes a trainable "
+        "parameter instead of 16)",
+    )
     rp.add_argument(
         "--cpu-infer", type=int, default=None, help="CPU threads (default: physical cores minus a few)"
     )

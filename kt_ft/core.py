@@ -38,7 +38,7 @@ from .moe.patch import KTSummary, replace_routed_experts
 from .placement.auto import auto_layers
 from .placement.runtime import Replanner, auto_at_start
 from .rules import PlacementPlan, load_rules, make_plan, resolve_rule_path
-from .rules.report import TrainSizes
+from .rules.report import TrainSizes, state_bytes
 from .settings import enabled
 
 logger = get_logger(__name__)
@@ -55,7 +55,9 @@ class KTConfig:
     gpu_memory_gib: ``placement: auto``'s cap on the training GPU [kt_gpu_memory]; None: its free memory.
     cutoff_len, batch: tokens per micro-batch, for ``placement: auto`` [cutoff_len,
     per_device_train_batch_size]. replan_steps, replan_threshold, remeasure: [kt_replan_*, kt_remeasure].
-    seed: expert-LoRA init (None: torch's global generator)."""
+    seed: expert-LoRA init (None: torch's global generator).
+    lora_dtype: the expert LoRA's parameters (float32; bfloat16 under [pure_bf16], which keeps every
+    trainable parameter bf16, its grads and AdamW moments with it)."""
 
     rule: str | Path | None = None
     rank: int = 8
@@ -71,6 +73,7 @@ class KTConfig:
     replan_threshold: float = 0.1
     remeasure: bool = False
     seed: int | None = None
+    lora_dtype: torch.dtype = torch.float32
 
     @property
     def scaling(self) -> float:
@@ -155,7 +158,13 @@ def apply(
         rule_path = resolve_rule(config.rule, family_of(model.config))
     auto = planned_auto if planned_auto is not None else _auto_placement(model, plan, config)
     summary = replace_routed_experts(
-        model, plan, config.rank, config.scaling, config.chunk_size, seed=config.seed
+        model,
+        plan,
+        config.rank,
+        config.scaling,
+        config.chunk_size,
+        seed=config.seed,
+        lora_dtype=config.lora_dtype,
     )
     if enabled("KT_FT_CHUNKED_LOSS"):
         why_not = lm_loss.install(model)
@@ -184,7 +193,9 @@ def _auto_placement(model: torch.nn.Module, plan: PlacementPlan, config: KTConfi
     started = auto_at_start(
         model,
         plan,
-        TrainSizes(config.cutoff_len, config.batch, config.rank),
+        TrainSizes(
+            config.cutoff_len, config.batch, config.rank, state_bytes(config.lora_dtype == torch.bfloat16)
+        ),
         gpu_memory_gib=config.gpu_memory_gib,
         remeasure=config.remeasure,
         chunk_size=config.chunk_size,

@@ -217,4 +217,6 @@ class KTArguments:
         rank = getattr(finetuning_args, "lora_rank", None)
         if rank:
             self._kt_ft_lora_rank = int(rank)  # the GPU-memory check before loading counts PEFT's LoRA
+        # pure_bf16: LoRA parameters (PEFT's and the expert LoRA) stay bf16, half the training state
+        self._kt_ft_pure_bf16 = bool(getattr(finetuning_args, "pure_bf16", False))
         return None

@@ -25,6 +25,7 @@ class PlanRequest:
     cutoff_len: int = 2048
     batch: int = 1
     lora_rank: int = 8
+    pure_bf16: bool = False  # LLaMA-Factory's pure_bf16: bf16 LoRA, grads and AdamW moments
     cpu_infer: int | None = None
     kt_backend: str = "auto"
     rates: str | None = None
@@ -79,11 +80,11 @@ def plan_report(request: PlanRequest) -> dict:
     from .placement.auto import auto_layers  # why: torch on use only
     from .placement.measure import parse_overrides  # why: torch on use only
     from .quant.detect import detect_format  # why: torch on use only
-    from .rules.report import TrainSizes, check_budgets, estimate  # why: torch on use only
+    from .rules.report import TrainSizes, check_budgets, estimate, state_bytes  # why: torch on use only
 
     overrides = parse_overrides(request.rates)
     _, model, plan, dtype = rule_and_model(request.rule, request.model, request.cpu_infer, request.kt_backend)
-    sizes = TrainSizes(request.cutoff_len, request.batch, request.lora_rank)
+    sizes = TrainSizes(request.cutoff_len, request.batch, request.lora_rank, state_bytes(request.pure_bf16))
     section = None
     if auto_layers(plan) or overrides or request.remeasure:
         section = _placement(model, plan, dtype, sizes, overrides, request.gpu_mem, request.remeasure)

@@ -165,13 +165,34 @@ def test_torch_backend_recycles_saved_buffers_safely(rng):
     g1_again = be.backward(ctx1, gy)  # retain_graph-style repeat before any new forward: fine
     torch.testing.assert_close(g1[0], g1_again[0], rtol=0, atol=0)
     out2, ctx2 = be.forward(x * 2, ids, w, base, lora, 1.0, True)
-    assert ctx2.xs.data_ptr() == ctx1.xs.data_ptr(), "saved buffers were not recycled"
+    assert ctx2.gu.data_ptr() == ctx1.gu.data_ptr(), "saved buffers were not recycled"
     with pytest.raises(RuntimeError, match="saved state was reused"):
         be.backward(ctx1, gy)
     fresh = BACKENDS["torch"]()
     expect = fresh.backward(fresh.forward(x * 2, ids, w, base, lora, 1.0, True)[1], gy)
     for got, want in zip(be.backward(ctx2, gy), expect):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_torch_backend_keeps_no_per_pair_copy_of_the_input(rng):
+    """The backward state a forward keeps is gu [N, 2I], p [N, 2r] and pd [N, r] a pair (the pairs'
+    inputs are gathered again from the chunk's x in the backward, not kept: k x [T, H] less a layer),
+    and the backward still matches a fresh context's."""
+    t, h, inter, e, k, r = 24, 64, 16, 4, 2, 2
+    base, lora, x, ids, w, gy = make_problem(t, e, k, h, inter, r, torch.float32, rng)
+    be = BACKENDS["torch"]()
+    _, ctx = be.forward(x, ids, w, base, lora, 1.0, True)
+    n = ctx.tok.numel()  # pairs, padded per expert
+    kept = sum(b.numel() for b in ctx.saved.flat.values())
+    assert set(ctx.saved.flat) == {"gu", "p", "pd"} and kept == n * (2 * inter + 3 * r), (kept, n)
+    assert ctx.x.data_ptr() == x.data_ptr()  # the input itself, no copy
+    # another layer's forward on other inputs overwrites the scratch buffers every layer shares
+    BACKENDS["torch"]().forward(x * 3, ids, w, base, lora, 1.0, True)
+    got = be.backward(ctx, gy)
+    fresh = BACKENDS["torch"]()
+    want = fresh.backward(fresh.forward(x, ids, w, base, lora, 1.0, True)[1], gy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # --- experts that are not the plain silu layout (gpt_oss) -------------------------------------
@@ -366,3 +387,21 @@ def test_gated_act_backward_matches_autograd(activation):
     got = gated_act_backward(dh, g.detach(), u.detach(), spec)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_plan_counts_what_the_cpu_op_keeps_for_its_backward(rng):
+    """``rules.report.cpu_op_saved_bytes`` against the ``torch`` backend's saved set in fp32 (the
+    native backend's dtype) on random routing: never below it, and above it by at most the padding
+    rows it assumes for experts that got fewer (the layer's input and fp32 output counted as the
+    runner keeps them: bf16 and fp32 [T, H])."""
+    from kt_ft.kernels.grouped_layout import ROW_PAD
+    from kt_ft.rules.report import cpu_op_saved_bytes
+
+    t, e, k, h, inter, r = 96, 8, 2, 64, 24, 4
+    base, lora, x, ids, w, _ = make_problem(t, e, k, h, inter, r, torch.float32, rng)
+    _, ctx = BACKENDS["torch"]().forward(x, ids, w, base, lora, 1.0, True)
+    kept = sum(b.numel() * b.element_size() for b in ctx.saved.flat.values()) + t * h * (2 + 4)
+    est = cpu_op_saved_bytes(t, k, h, inter, r, e)
+    slack = e * (ROW_PAD - 1) * (2 * inter + 3 * r) * 4
+    print(f"kept {kept} B, estimate {est} B, padding allowance {slack} B")
+    assert kept <= est <= kept + slack

@@ -614,12 +614,12 @@ DEEPSEEK_V3 = dict(
 )
 
 
-def _plan(tmp_path, config, capsys) -> dict:
+def _plan(tmp_path, config, capsys, *extra: str) -> dict:
     d = tmp_path / config.get("quantization_config", {}).get("quant_method", "bf16")
-    d.mkdir()
+    d.mkdir(exist_ok=True)
     (d / "config.json").write_text(json.dumps(config))
     capsys.readouterr()
-    cli(["rules", "plan", "--rule", "deepseek_v3", "--model", str(d), "--cpu-infer", "16", "--json"])
+    cli(["rules", "plan", "--rule", "deepseek_v3", "--model", str(d), "--cpu-infer", "16", "--json", *extra])
     return json.loads(capsys.readouterr().out)
 
 
@@ -693,8 +693,10 @@ def test_rules_plan_counts_fp8_linear_layers_as_stored(tmp_path, capsys):
 def test_rules_plan_counts_int4_experts_as_stored(tmp_path, capsys):
     """Kimi K2's shapes (as a deepseek_v3 config: 61 layers, 384 experts of H 7168, I 2048) with
     its routed experts INT4 (compressed-tensors pack-quantized, group 32): each weight 0.5 byte
-    packed + a bf16 scale per 32 + its int64 shape pair: 571 GB of weights in RAM (the CPU's total,
-    684 GB, adds 81 GB of fp32 AdamW state of the rank-8 expert LoRA and the activations)."""
+    packed + a bf16 scale per 32 + its int64 shape pair: 571 GB of weights in RAM. The CPU's total
+    adds the rank-8 expert LoRA's training state (5.1 B parameters: 82 GB with fp32 AdamW, 41 GB
+    under LLaMA-Factory's pure_bf16) and what the CPU op keeps for the backward (27 GB): under
+    640 GB with pure_bf16."""
     k2 = {**DEEPSEEK_V3, "n_routed_experts": 384, "first_k_dense_replace": 1, "num_attention_heads": 64}
     k2["vocab_size"], k2["n_group"], k2["topk_group"] = 163840, 1, 1
     k2["quantization_config"] = FORMATS["int4"].quantization_config()
@@ -706,10 +708,14 @@ def test_rules_plan_counts_int4_experts_as_stored(tmp_path, capsys):
     non_expert_cpu = int4["devices"]["cpu"]["param_bytes"] - experts
     assert 0 <= non_expert_cpu < 1e6, non_expert_cpu  # everything else on the GPU
     cpu = int4["devices"]["cpu"]
+    pure = _plan(tmp_path, k2, capsys, "--pure-bf16")["devices"]["cpu"]
     print(
-        f"Kimi-K2-shaped int4 CPU: weights {cpu['param_bytes'] / 1e9:.0f} GB, total {cpu['total_bytes'] / 1e9:.0f} GB"
+        f"Kimi-K2-shaped int4 CPU: weights {cpu['param_bytes'] / 1e9:.0f} GB, total {cpu['total_bytes'] / 1e9:.0f} GB, "
+        f"with pure_bf16 {pure['total_bytes'] / 1e9:.1f} GB"
     )
     assert cpu["param_bytes"] <= 640e9
+    assert pure["train_state_bytes"] * 2 == cpu["train_state_bytes"] == cpu["lora_params"] * 16
+    assert pure["total_bytes"] <= 640e9 < cpu["total_bytes"]
 
 
 # --- checkpoints: manifest and merge -----------------------------------------------------------

@@ -66,7 +66,7 @@ _WS = _Workspace()
 
 
 class _SavedBuffers:
-    """The four large tensors a forward keeps for its backward (xs, gu, p, pd), recycled per
+    """The three tensors a forward keeps for its backward (gu, p, pd), recycled per
     layer: a set returns to its backend's free list when its backward has run, so the next
     forward of that layer writes into already-mapped memory. ``generation`` changes on every
     reuse; a backward on a context whose set was taken again refuses instead of reading
@@ -88,7 +88,10 @@ class _SavedBuffers:
 @dataclass
 class _Ctx:
     base: ExpertWeights
-    xs: torch.Tensor  # [N, H] inputs of the expert-sorted, padded pairs, compute dtype
+    # [T, H] the chunk's input as given (the runner keeps it for the backward anyway): the backward
+    # gathers the pairs' rows from it again instead of keeping them, k x [T, H] in the compute
+    # dtype a layer (Kimi-K2's shapes at 2,048 tokens: 14 GB of host memory over its 60 layers)
+    x: torch.Tensor
     tok: torch.Tensor  # [N] token of each row (padding rows: token 0)
     inv: torch.Tensor  # [T*k] row of flat pair t*k + slot
     layout: _Layout  # rows per expert (padded), in row order, and the equal-count groups
@@ -101,7 +104,7 @@ class _Ctx:
     b_gu: torch.Tensor  # [E, 2I, 2r] block-diagonal
     shape: tuple[int, int]  # (T, k)
     scaling: float
-    saved: _SavedBuffers  # owner of xs, gu, p, pd
+    saved: _SavedBuffers  # owner of gu, p, pd
     generation: int  # saved.generation when this context was made
 
 
@@ -190,7 +193,8 @@ class GroupedTorchBackend(ExpertBackend):
             shape = (n_pairs, cols)
             return saved.view(key, shape, dt) if saved is not None else _WS.get(f"f_{key}", shape, dt)
 
-        xs = torch.index_select(x.to(dt), 0, tok, out=buf("xs", hidden))  # [N, H]
+        # [N, H]: scratch, not saved (the backward gathers it again from x: ``_Ctx.x``)
+        xs = torch.index_select(x.to(dt), 0, tok, out=_WS.get("f_xs", (n_pairs, hidden), dt))
 
         gu = buf("gu", two_i)
         p = buf("p", 2 * rank)
@@ -225,7 +229,7 @@ class GroupedTorchBackend(ExpertBackend):
         if not needs_grad:
             return out, None
         return out, _Ctx(
-            base, xs, tok, inv, layout, ws, gu, p, pd, lc, a_gu, b_gu, (t, k), s, saved, saved.generation
+            base, x, tok, inv, layout, ws, gu, p, pd, lc, a_gu, b_gu, (t, k), s, saved, saved.generation
         )
 
     def backward(self, ctx: _Ctx, grad_out: torch.Tensor):
@@ -237,10 +241,10 @@ class GroupedTorchBackend(ExpertBackend):
                 "same layer (a second backward through an old graph after a new forward is not supported)"
             )
         base, lc, s, ws = ctx.base, ctx.lora, ctx.scaling, ctx.ws
-        dt = ctx.xs.dtype
+        dt = ctx.gu.dtype
         acc = accum_dtype(dt)
         t, k = ctx.shape
-        n_pairs, hidden = ctx.xs.shape
+        n_pairs, hidden = ctx.tok.numel(), ctx.x.shape[1]
         rank = lc.gate_a.shape[1]
         inter = ctx.gu.shape[1] // 2
         num_experts = lc.gate_a.shape[0]
@@ -289,9 +293,10 @@ class GroupedTorchBackend(ExpertBackend):
             lambda g: torch.bmm(g.view(dgu), g.pick(ctx.b_gu), out=g.view(dp)),
         )
         dp.mul_(s)
+        xs = torch.index_select(ctx.x.to(dt), 0, ctx.tok, out=_WS.get("b_xs", (n_pairs, hidden), dt))
         self._for_groups(
             lay,
-            lambda g: g.put(da_gu, torch.bmm(g.view(dp).transpose(1, 2), g.view(ctx.xs))),
+            lambda g: g.put(da_gu, torch.bmm(g.view(dp).transpose(1, 2), g.view(xs))),
             lambda g: torch.bmm(g.view(dp), g.pick(ctx.a_gu), out=g.view(lo)),
         )
         self._gate_up_grad(lay, base, dgu, dxs)

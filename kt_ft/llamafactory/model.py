@@ -30,7 +30,7 @@ from ..moe.shared_weights import meta_device_map, share_expert_weights, sharing_
 from ..processes import threads_per_rank, topology
 from ..quant.detect import config_source, take_quantization_config
 from ..rules import load_rules
-from ..rules.report import TrainSizes, check_gpu_cap
+from ..rules.report import TrainSizes, check_gpu_cap, state_bytes
 from ..rules.skeleton import meta_model
 from ..settings import log_changed
 from .multimodal import expert_lora_trainable
@@ -115,7 +115,11 @@ def _check_gpu_cap(config: Any, plan: Any, model_args: Any, cap_gib: float) -> N
     """``kt_gpu_memory`` too small for the run even with every auto-placed expert on the CPU: stop
     before any weight is read (``rules/report.py`` ``check_gpu_cap``)."""
 
-    sizes = TrainSizes(*_micro_batch(model_args), getattr(model_args, "_kt_ft_lora_rank", 8))
+    sizes = TrainSizes(
+        *_micro_batch(model_args),
+        getattr(model_args, "_kt_ft_lora_rank", 8),
+        state_bytes(getattr(model_args, "_kt_ft_pure_bf16", False)),
+    )
     check_gpu_cap(meta_model(config, torch.bfloat16), plan, torch.bfloat16, sizes, cap_gib, recipe_source())
 
 
@@ -182,6 +186,8 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
         replan_steps=getattr(model_args, "kt_replan_steps", 0),
         replan_threshold=getattr(model_args, "kt_replan_threshold", 0.1),
         remeasure=bool(getattr(model_args, "kt_remeasure", False)),
+        # pure_bf16: LLaMA-Factory keeps PEFT's LoRA bf16 (no fp32 upcast); the expert LoRA follows
+        lora_dtype=torch.bfloat16 if getattr(finetuning_args, "pure_bf16", False) else torch.float32,
     )
     plan, rule_path = plan_for(model, config)
     if topo.local_world_size > 1:

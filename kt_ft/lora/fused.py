@@ -40,14 +40,15 @@ def init_expert_lora(
     dtype: torch.dtype = torch.float32,
     generator: torch.Generator | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Fresh expert-LoRA tensors on the CPU, keyed by LORA_NAMES."""
+    """Fresh expert-LoRA tensors on the CPU, keyed by LORA_NAMES, in ``dtype``: drawn in float32
+    and rounded once, so a bf16 LoRA (``pure_bf16``) starts from the fp32 one's values."""
     out = {}
     for name, shape in expert_lora_shapes(num_experts, hidden, inter, rank).items():
-        t = torch.zeros(shape, dtype=dtype)
+        t = torch.zeros(shape, dtype=torch.float32)
         if name.endswith("_a"):
             # kaiming_uniform_(a=sqrt(5)) on [E*r, in]: bound = gain * sqrt(3 / fan_in) = 1 / sqrt(in)
             bound = 1.0 / math.sqrt(shape[-1])
             t.uniform_(-bound, bound, generator=generator)
-        out[name] = t
+        out[name] = t.to(dtype)
     assert tuple(out) == LORA_NAMES
     return out

@@ -72,10 +72,12 @@ def replace_routed_experts(
     scaling: float,
     chunk_size: int,
     seed: int | None = None,
+    lora_dtype: torch.dtype = torch.float32,
 ) -> KTSummary:
     """Swap every planned experts module for a KTExperts (same parameters, added expert LoRA).
 
-    ``seed`` makes the expert-LoRA init reproducible (one generator walks the layers in order).
+    ``seed`` makes the expert-LoRA init reproducible (one generator walks the layers in order);
+    ``lora_dtype``: the expert LoRA's parameters (bfloat16 under LLaMA-Factory's ``pure_bf16``).
     """
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     backends: dict[str, tuple] = {}
@@ -124,6 +126,7 @@ def replace_routed_experts(
             layer_idx=place.layer,
             rank=rank,
             scaling=scaling,
+            lora_dtype=lora_dtype,
             backend=backend,
             chunk_size=chunk_size,
             threads=place.threads,

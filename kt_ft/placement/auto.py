@@ -17,7 +17,7 @@ import torch
 from ..log import fmt_bytes
 from ..quant.weights import is_quantized
 from ..rules.plan import ExpertPlacement, PlacementPlan
-from ..rules.report import TRAIN_STATE_BYTES, TrainSizes, _expert_dims, _ranges, estimate
+from ..rules.report import TrainSizes, _expert_dims, _ranges, estimate
 from ..rules.schema import GpuExpertSpec
 from .cost import LayerShape, LayerSplit, Prediction, Rates, non_expert_flops, predict
 from .homes import lora_home, pick_resident_ids, pick_stream_ids
@@ -175,8 +175,9 @@ def plan_auto(
         allow_stream=stream,
         nonexpert_flops=model_non_expert_flops(model, plan, sizes),
         layer_scale=layer_scale,
-        # layers with GPU experts keep their expert LoRA + AdamW state there (16 bytes a parameter)
-        lora_state_bytes=TRAIN_STATE_BYTES if lora_home(device, True) is not None else 0,
+        # layers with GPU experts keep their expert LoRA + AdamW state there (16 bytes a parameter,
+        # 8 under pure_bf16)
+        lora_state_bytes=sizes.state_bytes if lora_home(device, True) is not None else 0,
         lora_fixed=None if lora_on_gpu is None else [lora_on_gpu.get(e.layer, False) for e in autos],
     )
     for e, split in zip(autos, choice.splits, strict=True):

@@ -13,7 +13,7 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
   outside ``lm_head`` and the routed experts gets r x (in + out) parameters.
 * expert LoRA: per MoE layer gate + up + down = 2·E·r·(H + I) + E·r·(I + H) = 3·E·r·(H + I).
 * training state of a trainable parameter: 16 bytes (fp32 weight, fp32 grad, AdamW's two fp32
-  moments), on the device of the parameter (expert LoRA on the CPU, except a layer's with
+  moments; 8 under LLaMA-Factory's ``pure_bf16``, where all four are bf16), on the device of the parameter (expert LoRA on the CPU, except a layer's with
   resident or streamed experts in a single process: on the training GPU, ``moe/patch.py``
   ``lora_home``).
 * GPU activations, gradient checkpointing on (LLaMA-Factory's default), B = batch, S = cutoff_len,
@@ -30,9 +30,11 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
   With routed experts on the GPU (resident or streamed): + one recomputed layer's expert
   activations, B·S·k·(3·I + H)·4 (worst case: every pair of the layer on the GPU; the planner's
   reserve, ``kt_ft/placement/cost.py``).
-* CPU activations: per MoE layer B·S·(k·3·I + 2·H)·4 (the CPU op keeps gate, up and silu·up
-  per routed token-expert pair and the layer's input and output in fp32 until backward); none
-  for a layer whose experts are all resident or streamed (the CPU op never runs).
+* CPU activations: per MoE layer what the CPU op keeps for its backward (``cpu_op_saved_bytes``:
+  the ``torch`` / ``native`` backends' gate and up pre-activations and the rank-sized LoRA
+  products of each routed token-expert pair, counted in fp32, and the layer's input and fp32
+  output; under gradient checkpointing every CPU layer's, kept from its first pass to its
+  backward); none for a layer whose experts are all resident or streamed (the CPU op never runs).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import KTConfigError
+from ..kernels.grouped_layout import ROW_PAD
 from ..log import fmt_bytes
 from ..models import layer_index, lm_loss, unwrap_peft
 from ..placement.cost import STREAM_BUFFERS, LayerShape
@@ -50,6 +53,9 @@ from ..settings import enabled
 from .plan import PlacementPlan
 
 TRAIN_STATE_BYTES = 16  # per trainable parameter: fp32 weight + grad + 2 AdamW moments
+# LLaMA-Factory's ``pure_bf16: true``: trainable parameters stay bf16, so their grads and the
+# AdamW moments (torch keeps them in the parameter's dtype) are bf16 too
+PURE_BF16_STATE_BYTES = 8
 LAYER_WORKSET = 17  # values per token x H of one recomputed decoder layer (see module docstring)
 LOSS_BYTES_PER_LOGIT = 14  # 16-bit logits + fp32 copy + fp32 log-softmax + fp32 gradient (module doc)
 # the CUDA context and library workspaces outside PyTorch's allocator (a plan made before any GPU
@@ -64,6 +70,24 @@ class TrainSizes:
     cutoff_len: int = 2048
     batch: int = 1
     lora_rank: int = 8
+    state_bytes: int = TRAIN_STATE_BYTES  # a trainable parameter's training state (PURE_BF16_STATE_BYTES)
+
+
+def cpu_op_saved_bytes(tokens: int, k: int, hidden: int, inter: int, rank: int, num_experts: int) -> int:
+    """Host bytes the CPU op keeps for one MoE layer's backward at ``tokens`` tokens of top-``k``
+    routing over ``num_experts``: per row gate/up pre-activations [2I] and the LoRA products
+    [2r] + [r] (``kernels/grouped.py``'s saved set; rows: the routed pairs plus at most
+    ``ROW_PAD`` - 1 padding rows an expert; 4 bytes a value, the fp32 compute of ``native`` and of
+    CPUs without native bf16, an upper bound for bf16's 2), and per token the layer's input [H]
+    (bf16) and output [H] (fp32), which the runner keeps until the backward."""
+    rows = tokens * k + min(num_experts, tokens * k) * (ROW_PAD - 1)
+    return rows * (2 * inter + 3 * rank) * 4 + tokens * hidden * (2 + 4)
+
+
+def state_bytes(pure_bf16: bool) -> int:
+    """A trainable parameter's training-state bytes: ``PURE_BF16_STATE_BYTES`` under LLaMA-Factory's
+    ``pure_bf16``, else ``TRAIN_STATE_BYTES``."""
+    return PURE_BF16_STATE_BYTES if pure_bf16 else TRAIN_STATE_BYTES
 
 
 def _device(d: str) -> str:
@@ -271,7 +295,7 @@ def estimate(
         stream["buffer_bytes"] = STREAM_BUFFERS * stream["largest_layer_bytes"]
         dev(train_dev)["param_bytes"] += stream["buffer_bytes"]
     for d in devices.values():
-        d["train_state_bytes"] = d["lora_params"] * TRAIN_STATE_BYTES
+        d["train_state_bytes"] = d["lora_params"] * sizes.state_bytes
 
     # activations
     H = _text_config(model).hidden_size
@@ -281,7 +305,7 @@ def estimate(
         num, _, inter = _expert_dims(model, e)
         if _resident_count(e) + _stream_count(e, num) >= num:
             continue  # every expert on the device: the CPU op never runs
-        cpu_act += tokens * (k * 3 * inter + 2 * H) * 4
+        cpu_act += cpu_op_saved_bytes(tokens, k, H, inter, sizes.lora_rank, num)
     dev(train_dev)["activation_bytes"] += gpu_act
     dev("cpu")["activation_bytes"] += cpu_act
     if train_dev.startswith("cuda"):
@@ -351,7 +375,9 @@ def format_report(report: dict, model_dir: str) -> str:
         sizes = (d["param_bytes"], d["train_state_bytes"], d["activation_bytes"], d["total_bytes"])
         lines.append(f"  {name:<8}" + "".join(f"{fmt_bytes(n):>12}" for n in sizes) + f"{budget:>12}  {fits}")
     lines.append(
-        "  (LoRA+optim: 16 bytes per trainable parameter; activations: estimate, kt_ft/rules/report.py;"
+        f"  (LoRA+optim: {s.get('state_bytes', TRAIN_STATE_BYTES)} bytes per trainable parameter"
+        + (", pure_bf16" if s.get("state_bytes") == PURE_BF16_STATE_BYTES else "")
+        + "; activations: estimate, kt_ft/rules/report.py;"
         " a GPU's total includes the CUDA runtime outside PyTorch's allocator)"
     )
     st = report.get("stream") or {}
