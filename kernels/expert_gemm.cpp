@@ -56,7 +56,9 @@ enum Isa { ISA_AUTO = 0, ISA_SCALAR = 1, ISA_AVX2 = 2, ISA_AVX512 = 3, ISA_AVX51
 constexpr int64_t KC = 256;       // fp32 paths' k block: a 16-column panel is KC * 64 B = 16 KiB (L1)
 constexpr int64_t KC_BF16 = 512;  // vdpbf16ps k block: a 16-column panel of pairs is 16 KiB too
 constexpr int64_t NC = 128;       // columns of one work item: its fp32 packed block is 128 KiB (L2)
-constexpr int64_t NC_AMX_NN = 64; // AMX NN packs its strip over the whole K: 64 columns keep it in L2
+constexpr int64_t NC_AMX_NN = 512;  // AMX NN: 1 KiB of each W row a work item (long DRAM bursts)
+constexpr int64_t KC_AMX_NN = 256;  // x 256 rows: a 256 KiB block of pairs (L2)
+constexpr int64_t MC_AMX = 128;     // AMX NN rows of A a pass over the block (64 KiB of A: L1/L2)
 constexpr int MR = 6, NR = 16;    // AVX2 tile
 constexpr int MR512 = 12;         // AVX-512 tiles: 12 rows x 2 panels = 24 of the 32 zmm registers
 constexpr int64_t TILE_K = 32;    // bf16 elements in an AMX tile row (64 bytes)
@@ -447,35 +449,57 @@ AVX512BF16 void pack_a_pairs(const Gemm& g, int64_t r0, int64_t r1, bf16* dst) {
 
 // ---------------------------------------------------------------- B as bf16 pairs (VNNI)
 
+// NN's pairs: rows k and k+1 of W side by side, 16 columns at a time. Row pair outer, panels
+// inner: each W row is read front to back (the hardware prefetchers follow that; a column
+// panel at a time would jump a row stride every 32 bytes). Full panels only.
+AVX512BF16 void pack_pairs_nn(const Gemm& g, int64_t k0, int64_t pairs, int64_t n0, int64_t panels, bf16* dst,
+                              int64_t panel_stride) {
+    const int64_t full = std::max<int64_t>(0, std::min(pairs, (g.K - k0) / 2));  // both rows inside W
+    for (int64_t q = 0; q < full; ++q) {
+        const bf16* r = g.b + (k0 + 2 * q) * g.bk + n0;
+        for (int64_t p = 0; p < panels; ++p) {
+            const __m512i lo =
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 16 * p)));
+            const __m512i hi =
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + g.bk + 16 * p)));
+            _mm512_storeu_si512(dst + p * panel_stride + q * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+// NT's pairs: a k pair is one 32-bit word of a W row, so 16 rows x 16 pairs transpose into 16
+// pair rows of the panel. Pairs [0, return value) of the panel at column n are done.
+AVX512BF16 int64_t pack_pairs_nt(const Gemm& g, int64_t k0, int64_t pairs, int64_t n, bf16* dst) {
+    int64_t q = 0;
+    for (; q + 16 <= pairs && k0 + 2 * (q + 16) <= g.K; q += 16) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(g.b + (n + j) * g.bn + k0 + 2 * q);
+        transpose16(r);  // r[i] = pair q + i of the 16 columns
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (q + i) * 32, r[i]);
+    }
+    return q;
+}
+
 // Pack B[k0:k0+2*pairs, n0:n0+nc] as panels of 16 columns, each [pairs][16][2] (the pair
 // (k, k+1) of a column side by side: vdpbf16ps / tdpbf16ps's second operand); zero past K and
 // past the columns. k0 is even.
 AVX512BF16 void pack_b_pairs(const Gemm& g, int64_t k0, int64_t pairs, int64_t n0, int64_t nc, bf16* dst) {
-    const int64_t k_end = std::min(g.K, k0 + 2 * pairs);
-    for (int64_t p = 0; p < nc; p += 16, dst += pairs * 32) {
+    const int64_t k_end = std::min(g.K, k0 + 2 * pairs), full_panels = nc / 16, stride = pairs * 32;
+    int64_t nn_done = 0;  // pair rows of the full panels the NN fast loop did
+    if (g.bn == 1) {
+        pack_pairs_nn(g, k0, pairs, n0, full_panels, dst, stride);
+        nn_done = std::max<int64_t>(0, std::min(pairs, (g.K - k0) / 2));
+    }
+    for (int64_t p = 0; p < nc; p += 16) {
+        bf16* panel = dst + p / 16 * stride;
         const int64_t cols = std::min<int64_t>(16, nc - p), n = n0 + p;
         int64_t q = 0;  // pair rows done by a fast loop
-        if (cols == 16 && g.bn == 1) {  // NN: interleave two W rows, 16 columns each
-            for (; k0 + 2 * q + 1 < k_end; ++q) {
-                const bf16* r = g.b + (k0 + 2 * q) * g.bk + n;
-                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
-                const __m512i hi =
-                    _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + g.bk)));
-                _mm512_storeu_si512(dst + q * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-            }
-        } else if (cols == 16 && g.bk == 1) {  // NT: a k pair is one 32-bit word of a W row: transpose
-            for (; k0 + 2 * (q + 16) <= k_end; q += 16) {
-                __m512i r[16];
-                for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(g.b + (n + j) * g.bn + k0 + 2 * q);
-                transpose16(r);  // r[i] = pair q + i of the 16 columns
-                for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (q + i) * 32, r[i]);
-            }
-        }
+        if (cols == 16) q = g.bn == 1 ? nn_done : g.bk == 1 ? pack_pairs_nt(g, k0, pairs, n, panel) : 0;
         for (; q < pairs; ++q)  // edges: element by element, zero past the matrix
             for (int j = 0; j < 16; ++j)
                 for (int h = 0; h < 2; ++h) {
                     const int64_t k = k0 + 2 * q + h;
-                    dst[q * 32 + j * 2 + h] = j < cols && k < k_end ? g.b[k * g.bk + (n + j) * g.bn] : 0;
+                    panel[q * 32 + j * 2 + h] = j < cols && k < k_end ? g.b[k * g.bk + (n + j) * g.bn] : 0;
                 }
     }
 }
@@ -635,13 +659,14 @@ AMX void amx_nt_block(const Gemm& g, int64_t n, int64_t n1, int64_t m, bf16* wbu
         }
 }
 
-// AMX NN: C[m:m+16MT, columns of panels p..p+PT) over the whole K. Tiles: 0-3 accumulators
-// (m tile i, panel j -> 2i + j), 4-5 A rows, 6-7 B pairs.
+// AMX NN: C[m:m+16MT, columns of panels p..p+PT) over steps [s0, s0 + steps) of K (32 each;
+// bp: the panels' pairs from step s0). Tiles: 0-3 accumulators (m tile i, panel j -> 2i + j),
+// 4-5 A rows, 6-7 B pairs.
 template <int MT, int PT>
-AMX void amx_nn_block(const Gemm& g, int64_t m, const bf16* bp, int64_t panel_stride, int64_t col, int64_t n1,
-                      float* cbuf, int mode) {
-    const int64_t lda = a_rows_ld(g.K), steps = lda / TILE_K;
-    const bf16* a0 = g.ap + m * lda;
+AMX void amx_nn_block(const Gemm& g, int64_t m, int64_t s0, int64_t steps, const bf16* bp, int64_t panel_stride,
+                      int64_t col, int64_t n1, float* cbuf, int mode) {
+    const int64_t lda = a_rows_ld(g.K);
+    const bf16* a0 = g.ap + m * lda + s0 * TILE_K;
     const bf16* a1 = a0 + 16 * lda;
     TILE_ZERO(0);
     if constexpr (PT > 1) TILE_ZERO(1);
@@ -698,25 +723,35 @@ AMX void gemm_amx_nt(const Gemm& g, int64_t n0, int64_t n1, AmxScratch& sc) {
     }
 }
 
+// NN reads W by rows (the reduction), NC_AMX_NN columns of each: a block of KC_AMX_NN rows is
+// repacked as bf16 pairs, then every row block of A runs over it; results add up in C across
+// blocks (the first block applies beta). (A software prefetch of the next block measured slower.)
 AMX void gemm_amx_nn(const Gemm& g, int64_t n0, int64_t n1, AmxScratch& sc, bf16* strip) {
-    const int mode = first_mode(g.beta);
-    const int64_t lda = a_rows_ld(g.K), pairs = lda / 2, m_pad = round_up(g.M, 16);
-    pack_b_pairs(g, 0, pairs, n0, n1 - n0, strip);  // panels of [pairs][16][2]: 1 KiB tile per step
-    const int64_t panel_stride = pairs * 32;
-    for (int64_t col = n0; col < n1; col += 32) {
-        const bf16* bp = strip + (col - n0) / 16 * panel_stride;
-        const bool two_p = n1 - col > 16;
-        for (int64_t m = 0; m < m_pad; m += 32) {
-            const bool two_m = m_pad - m > 16;
-            if (two_m && two_p)
-                amx_nn_block<2, 2>(g, m, bp, panel_stride, col, n1, sc.cbuf, mode);
-            else if (two_m)
-                amx_nn_block<2, 1>(g, m, bp, panel_stride, col, n1, sc.cbuf, mode);
-            else if (two_p)
-                amx_nn_block<1, 2>(g, m, bp, panel_stride, col, n1, sc.cbuf, mode);
-            else
-                amx_nn_block<1, 1>(g, m, bp, panel_stride, col, n1, sc.cbuf, mode);
+    const int64_t k_pad = a_rows_ld(g.K), m_pad = round_up(g.M, 16), nc = n1 - n0;
+    for (int64_t k0 = 0; k0 < k_pad || (k0 == 0 && k_pad == 0); k0 += KC_AMX_NN) {
+        const int64_t pairs = std::min(KC_AMX_NN, k_pad - k0) / 2, panel_stride = pairs * 32;
+        const int64_t s0 = k0 / TILE_K, steps = pairs / 16;
+        const int mode = k0 > 0 ? 1 : first_mode(g.beta);
+        pack_b_pairs(g, k0, pairs, n0, nc, strip);  // panels [pairs][16][2]: a 1 KiB tile a step
+        for (int64_t mc = 0; mc < m_pad; mc += MC_AMX) {
+            const int64_t mc_end = std::min(m_pad, mc + MC_AMX);
+            for (int64_t col = n0; col < n1; col += 32) {
+                const bf16* bp = strip + (col - n0) / 16 * panel_stride;
+                const bool two_p = n1 - col > 16;
+                for (int64_t m = mc; m < mc_end; m += 32) {
+                    const bool two_m = mc_end - m > 16;
+                    if (two_m && two_p)
+                        amx_nn_block<2, 2>(g, m, s0, steps, bp, panel_stride, col, n1, sc.cbuf, mode);
+                    else if (two_m)
+                        amx_nn_block<2, 1>(g, m, s0, steps, bp, panel_stride, col, n1, sc.cbuf, mode);
+                    else if (two_p)
+                        amx_nn_block<1, 2>(g, m, s0, steps, bp, panel_stride, col, n1, sc.cbuf, mode);
+                    else
+                        amx_nn_block<1, 1>(g, m, s0, steps, bp, panel_stride, col, n1, sc.cbuf, mode);
+                }
+            }
         }
+        if (k_pad == 0) break;
     }
 }
 
@@ -806,12 +841,7 @@ size_t pack_bytes(const std::vector<Gemm>& gemms, int isa) {
     switch (isa) {
         case ISA_SCALAR: return 0;
         case ISA_AVX512BF16: return KC_BF16 * NC * sizeof(bf16);
-        case ISA_AMX: {
-            int64_t k_max = 0;
-            for (const Gemm& g : gemms)
-                if (!is_nt(g)) k_max = std::max(k_max, a_rows_ld(g.K));
-            return k_max * NC_AMX_NN * sizeof(bf16);
-        }
+        case ISA_AMX: return KC_AMX_NN * NC_AMX_NN * sizeof(bf16);
         default: return KC * NC * sizeof(float);
     }
 }
