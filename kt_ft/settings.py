@@ -83,7 +83,8 @@ _ALL = (
     Setting(
         "KT_FT_NATIVE_ISA",
         "auto",
-        "native CPU GEMMs: scalar forces the plain C++ path (tests, comparisons), avx2 the AVX2+FMA one",
+        "native CPU GEMMs' path: scalar (plain C++), avx2 (AVX2+FMA), avx512 (AVX-512F fp32), avx512bf16 "
+        "(vdpbf16ps), amx (AMX-BF16); the last two round activations to bf16; one the CPU lacks is refused",
         "numerics",
     ),
     Setting(

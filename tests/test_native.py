@@ -1,15 +1,24 @@
 """kt-ft's native CPU GEMMs (``kernels/expert_gemm.cpp`` via ``kt_ft/kernels/native.py``) and the
 ``native`` backend.
 
-GEMMs: against torch's fp32 matmul of the upcast bf16 weights, on fresh random inputs of odd
-shapes (M not a multiple of the 6-row tile, N of the 16-column panel, K of the 256 block) and
-row strides, for the scalar path and the AVX2 path (where the CPU has it). Both sum exact
-bf16 x fp32 products in fp32, only in another order: tolerance 1e-5 of the largest |entry|
-(K <= 600: the measured worst is ~1e-6). The seed is printed (shown on failure).
+GEMMs, every path (``PATHS``) this CPU runs, forced one at a time; a path the CPU lacks skips
+with the reason (CI's AVX2-only runner still tests scalar and avx2). Against a float64 matmul of
+the bf16 weights on fresh random inputs of odd shapes (M not a multiple of any row tile: 6, 12,
+16/32; N not of the 16/32-column panels, the 128/512-column work items; K not of the 32-deep AMX
+step or the 256/512 blocks) and row strides, NT and NN, beta 0, 1 and 0.5, 1 and 4 threads:
+
+* fp32 paths (scalar, avx2, avx512) sum exact bf16 x fp32 products in fp32, only in another order:
+  tolerance ``GEMM_TOL`` 1e-5 of the largest |entry| (K <= 600: measured worst ~1e-6);
+* bf16 paths (avx512bf16, amx) round A to bf16 (to nearest even) first, then sum exact
+  bf16 x bf16 products in fp32: against the reference on A rounded the same way (torch's
+  ``.bfloat16()``), ``GEMM_TOL`` again; against unrounded A, elementwise
+  |err| <= 2^-8 * (|A| @ |B|) + ``GEMM_TOL`` * max (2^-8: bf16's unit roundoff, A's only rounding).
 
 Backend: against the float64 reference loop on the same rounded inputs, the cases of
-test_kernels.py; the native backend computes in fp32 even for bf16 weights, so its tolerance is
-fp32's 2e-5 for both weight dtypes (measured worst ~1e-6).
+test_kernels.py; on the fp32 paths the native backend computes in fp32 even for bf16 weights, so
+its tolerance is fp32's 2e-5 for both weight dtypes (measured worst ~1e-6). On the bf16 paths
+every base product's input is rounded to bf16 first: ``BF16_OP_TOL`` (below). The seed is
+printed (shown on failure).
 
 Everything skips, with the reason, only when the library cannot be built on this machine.
 """
@@ -28,6 +37,14 @@ from kt_ft.kernels.base import ExpertWeights
 
 GEMM_TOL = 1e-5
 OP_TOL = 2e-5
+U_BF16 = 2.0**-8  # bf16's unit roundoff (8 significant bits, round to nearest even)
+# The op on the bf16 paths: each base product's error is <= U_BF16 * sum|a w| (A's rounding);
+# for these unit-variance problems (K <= 64) sum|a w| is at most ~2x the product's largest
+# |entry|, and an output goes through up to 3 such products (gate_up, down; backward: the
+# forward's h, then two more): 8 * U_BF16 ~ 3e-2 of the largest entry (measured worst 1.4e-3
+# over 4 seeds of test_kernels.CASES on amx and avx512bf16).
+BF16_OP_TOL = 8 * U_BF16
+PATHS = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]  # slowest first, KT_FT_NATIVE_ISA's choices
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,10 +52,33 @@ def library():
     why = nt.unavailable_reason()
     if why is not None:
         pytest.skip(f"native CPU kernels cannot be built here: {why}")
+    print(f"native library {nt.library()._name}, best ISA {nt.best_isa()}")
 
 
 def isas() -> list[str]:
-    return ["scalar", "avx2"] if nt.unavailable_reason() is None and nt.best_isa() == "avx2" else ["scalar"]
+    return nt.runnable_isas() if nt.unavailable_reason() is None else ["scalar"]
+
+
+def need(isa: str) -> None:
+    """Skip, saying why, when this CPU (or its OS) does not run the path ``isa``."""
+    if isa not in isas():
+        pytest.skip(f"this CPU runs {', '.join(isas())}: no {isa} path here")
+
+
+def rounded(isa: str, a: torch.Tensor) -> torch.Tensor:
+    """A as the path ``isa`` multiplies it: rounded to bf16 (to nearest even) on the bf16 paths."""
+    return a.bfloat16().float() if isa in nt.ROUNDS_TO_BF16 else a
+
+
+def check_product(isa, a, b, got, before, beta) -> None:
+    """got = beta * before + a @ b on path isa, within the module docstring's tolerances."""
+    acc = beta * before.double() if beta else 0
+    want = rounded(isa, a).double() @ b.double() + acc
+    assert rel_err(want, got) <= GEMM_TOL
+    if isa in nt.ROUNDS_TO_BF16:  # against the unrounded A: bf16's rounding bound, elementwise
+        exact = a.double() @ b.double() + acc
+        bound = U_BF16 * (a.double().abs() @ b.double().abs()) + GEMM_TOL * exact.abs().max()
+        assert ((got.double() - exact).abs() <= bound).all()
 
 
 def rel_err(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -50,15 +90,25 @@ def seeded(rng) -> torch.Generator:
     return rng
 
 
-SHAPES = [(1, 1, 1), (5, 17, 33), (7, 37, 300), (13, 16, 256), (6, 130, 257), (49, 161, 600)]
+# (M, N, K); NN's output has K columns and sums over N
+SHAPES = [
+    (1, 1, 1),
+    (5, 17, 33),
+    (7, 37, 300),
+    (13, 16, 256),
+    (6, 130, 257),
+    (49, 161, 600),
+    (37, 300, 530),  # AMX: 2 + 1 m tiles, a 12-row W tile, 17 steps (the last 18 deep), 2 NN items
+    (32, 64, 64),  # whole tiles everywhere
+]
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+@pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_gemm_nt_and_nn_match_fp32_matmul(isa, beta, shape, rng):
-    if isa not in isas():
-        pytest.skip("this CPU has no AVX2+FMA")
+def test_gemm_nt_and_nn_match_matmul(isa, beta, threads, shape, rng):
+    need(isa)
     g = seeded(rng)
     m, n, k = shape
     # strided views: rows longer than the matrix for x, w and out
@@ -69,39 +119,95 @@ def test_gemm_nt_and_nn_match_fp32_matmul(isa, beta, shape, rng):
         out_full.fill_(float("nan"))  # beta 0 must not read out
     out = out_full[:, 3 : n + 3]
     before = out.clone()
-    want = x @ w.float().T + (beta * before if beta else 0)
-    nt.gemm_bf16_nt(x, w, out, beta, threads=2, isa=isa)
-    assert rel_err(want, out) <= GEMM_TOL
+    nt.gemm_bf16_nt(x, w, out, beta, threads=threads, isa=isa)
+    check_product(isa, x, w.float().T, out, before, beta)
     assert torch.isnan(out_full[:, :3]).all() if beta == 0.0 else True  # columns outside untouched
 
     dy = torch.randn(m, n + 2, generator=g)[:, :n]
-    dx = torch.randn(m, k, generator=g)
-    before = dx.clone()
-    want = dy @ w.float() + beta * before
-    nt.gemm_bf16_nn(dy, w, dx, beta, threads=3, isa=isa)
-    assert rel_err(want, dx) <= GEMM_TOL
+    dx_full = torch.randn(m, k + 4, generator=g)
+    dx = dx_full[:, :k]
+    before, outside = dx.clone(), dx_full[:, k:].clone()
+    nt.gemm_bf16_nn(dy, w, dx, beta, threads=threads, isa=isa)
+    check_product(isa, dy, w.float(), dx, before, beta)
+    assert torch.equal(dx_full[:, k:], outside)
 
 
 def test_isa_from_the_setting(monkeypatch, rng):
     """KT_FT_NATIVE_ISA (kt_ft/settings.py) picks the path when no argument does; a bad value is refused."""
     g = seeded(rng)
     x, w = torch.randn(9, 70, generator=g), torch.randn(20, 70, generator=g).bfloat16()
-    want = x @ w.float().T
+    results = {}
     for isa in isas():
         monkeypatch.setenv("KT_FT_NATIVE_ISA", isa)
-        assert rel_err(want, nt.gemm_bf16_nt(x, w, torch.empty(9, 20))) <= GEMM_TOL
+        results[isa] = nt.gemm_bf16_nt(x, w, torch.empty(9, 20))
+        check_product(isa, x, w.float().T, results[isa], None, 0.0)
+    for isa in set(isas()) & set(nt.ROUNDS_TO_BF16):  # the setting took effect: A was rounded
+        assert not torch.equal(results[isa], results["scalar"])
     monkeypatch.setenv("KT_FT_NATIVE_ISA", "avx9")
-    with pytest.raises(ValueError, match="avx9"):
+    with pytest.raises(ValueError, match="KT_FT_NATIVE_ISA='avx9'.*valid: auto, scalar, avx2, avx512"):
         nt.gemm_bf16_nt(x, w, torch.empty(9, 20))
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def _cpu_flags() -> set[str]:
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def test_best_isa_is_the_cpus_best():
+    """The library's CPUID/XGETBV detection against Linux's own flags (which it lists only for
+    features the kernel enabled: AMX ones include the tile state)."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    needs = {
+        "avx2": {"avx2", "fma"},
+        "avx512": {"avx512f"},
+        "avx512bf16": {"avx512_bf16", "avx512bw", "avx512vl"},
+        "amx": {"amx_tile", "amx_bf16"},
+    }
+    want = "scalar"
+    for isa, required in needs.items():  # each path needs the previous ones' features too
+        if not required <= flags:
+            break
+        want = isa
+    assert nt.best_isa() == want
+
+
+def test_forced_path_the_cpu_lacks_is_refused(monkeypatch):
+    """Forcing a path above the CPU's best raises an error naming the setting, the value and what
+    runs here, and the library itself refuses it (-2, C untouched). On a CPU that has every path,
+    ``ktft_limit_isa`` makes the library report an AVX2-only CPU (CI's) for the test."""
+    lib = nt.library()
+    x, w = torch.randn(3, 40), torch.randn(5, 40).bfloat16()
+    real_best = nt.best_isa()
+    try:
+        lib.ktft_limit_isa(nt.ISAS["avx2"])
+        assert nt.best_isa() == ("avx2" if "avx2" in isas() else "scalar")
+        lacking = [isa for isa in PATHS if nt.ISAS[isa] > nt.ISAS[nt.best_isa()]]
+        assert {"avx512", "avx512bf16", "amx"} <= set(lacking)
+        for isa in lacking:
+            monkeypatch.setenv("KT_FT_NATIVE_ISA", isa)
+            with pytest.raises(RuntimeError, match=f"KT_FT_NATIVE_ISA='{isa}': this CPU .*does not run it"):
+                nt.gemm_bf16_nt(x, w, torch.empty(3, 5))
+            out = torch.full((3, 5), float("nan"))
+            code = lib.ktft_gemm_bf16(1, 3, 5, 40, x.data_ptr(), 40, w.data_ptr(), 40, out.data_ptr(), 5,
+                                      0.0, 2, nt.ISAS[isa])  # fmt: skip
+            assert code == -2 and torch.isnan(out).all()
+    finally:
+        lib.ktft_limit_isa(0)
+    assert nt.best_isa() == real_best
+
+
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("trans_w", [True, False])
 def test_grouped_gemm(isa, trans_w, rng):
     """Experts over row ranges of shared buffers in one call; padding rows zeroed; rows outside
     every range (and an expert with no rows but padding) as specified."""
-    if isa not in isas():
-        pytest.skip("this CPU has no AVX2+FMA")
+    need(isa)
     g = seeded(rng)
     e, n, k = 5, 45, 70
     w = torch.randn(e, n, k, generator=g).bfloat16()
@@ -114,9 +220,8 @@ def test_grouped_gemm(isa, trans_w, rng):
     nt.grouped_bf16(trans_w, a, w, out, plan[0], plan[1], plan[2], plan[3], threads=2, isa=isa)
     for ex, r0, rows, pad in groups:
         wf = w[ex].float()
-        want = a[r0 : r0 + rows] @ (wf.T if trans_w else wf)
         if rows:
-            assert rel_err(want, out[r0 : r0 + rows]) <= GEMM_TOL
+            check_product(isa, a[r0 : r0 + rows], wf.T if trans_w else wf, out[r0 : r0 + rows], None, 0.0)
         assert (out[r0 + rows : r0 + rows + pad] == 0).all()
     assert torch.isnan(out[34:]).all()
 
@@ -144,7 +249,7 @@ def test_build_into_a_directory_and_a_failing_compiler(tmp_path, monkeypatch):
     assert (tmp_path / "ok" / native_build.HASH_NAME).read_text() == native_build.source_hash()
     import ctypes
 
-    assert ctypes.CDLL(str(lib)).ktft_abi_version() == 1
+    assert ctypes.CDLL(str(lib)).ktft_abi_version() == 2
     monkeypatch.setenv("CXX", "false")  # a "compiler" that exits 1
     lib, why = native_build.build(tmp_path / "bad")
     assert lib is None and "failed (1)" in why
@@ -166,12 +271,17 @@ def test_native_backend_matches_reference(dtype, case, rng):
         "reference", ExpertWeights(*up[:2]), LoraTensors(*up[2:8]), up[8], ids, up[9], up[10], 2.0
     )
     got = run_backend("native", base, lora, x, ids, w, gy, 2.0)
-    assert_close(truth, got, OP_TOL)
+    rounds = dtype == torch.bfloat16 and nt.best_isa() in nt.ROUNDS_TO_BF16  # auto: the best path
+    assert_close(truth, got, BF16_OP_TOL if rounds else OP_TOL)
 
 
-def test_native_backend_scalar_path_and_masked_pairs(monkeypatch, rng):
-    """The scalar C++ path through the whole op (KT_FT_NATIVE_ISA=scalar), with masked pairs
-    (id -1, computed elsewhere): same results as the AVX2 path within fp32 rounding."""
+@pytest.mark.parametrize("isa", PATHS)
+def test_native_backend_per_path_and_masked_pairs(isa, monkeypatch, rng):
+    """Each C++ path through the whole op (KT_FT_NATIVE_ISA forced), forward and backward, with
+    masked pairs (id -1, computed elsewhere): the float64 reference within fp32 rounding (fp32
+    paths) or within BF16_OP_TOL (bf16 paths, which also must differ from the scalar path: the
+    rounding shows the forced path ran)."""
+    need(isa)
     base, lora, x, ids, w, gy = make_problem(29, 6, 3, 40, 24, 4, torch.bfloat16, seeded(rng))
     ids[::4, 1] = -1
     w = w.masked_fill(ids < 0, 0)
@@ -179,9 +289,12 @@ def test_native_backend_scalar_path_and_masked_pairs(monkeypatch, rng):
     truth = run_backend(
         "reference", ExpertWeights(*up[:2]), LoraTensors(*up[2:8]), up[8], ids, up[9], up[10], 2.0
     )
-    for isa in isas():
-        monkeypatch.setenv("KT_FT_NATIVE_ISA", isa)
-        assert_close(truth, run_backend("native", base, lora, x, ids, w, gy, 2.0), OP_TOL)
+    monkeypatch.setenv("KT_FT_NATIVE_ISA", isa)
+    got = run_backend("native", base, lora, x, ids, w, gy, 2.0)
+    assert_close(truth, got, BF16_OP_TOL if isa in nt.ROUNDS_TO_BF16 else OP_TOL)
+    if isa in nt.ROUNDS_TO_BF16:
+        monkeypatch.setenv("KT_FT_NATIVE_ISA", "scalar")
+        assert not torch.equal(got["out"], run_backend("native", base, lora, x, ids, w, gy, 2.0)["out"])
 
 
 def test_native_backend_availability_and_auto():

@@ -1,5 +1,6 @@
 """kt-ft's own C++ CPU GEMMs (``kernels/expert_gemm.cpp``) through ctypes: bf16 weights read in
-place, fp32 activations and outputs.
+place, fp32 activations and outputs (the ``avx512bf16`` and ``amx`` paths round the activations
+to bf16 before multiplying: ``ROUNDS_TO_BF16``).
 
 * ``gemm_bf16_nt(x, w, out, beta)``: out[M, N] = beta * out + x[M, K] @ w[N, K]^T (forward);
 * ``gemm_bf16_nn(dy, w, out, beta)``: out[M, K] = beta * out + dy[M, N] @ w[N, K] (backward);
@@ -24,7 +25,12 @@ import torch
 from ..settings import enabled, get
 from . import native_build
 
-ISAS = {"auto": 0, "scalar": 1, "avx2": 2}
+# KT_FT_NATIVE_ISA's choices and the library's codes; each path's CPU needs include the previous
+# one's: avx2 (AVX2+FMA), avx512 (AVX-512F), avx512bf16 (AVX512-BF16/BW/VL), amx (AMX-BF16 + the
+# OS's tile permission)
+ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4, "amx": 5}
+# paths that round the fp32 activations to bf16 (to nearest even) before their products
+ROUNDS_TO_BF16 = ("avx512bf16", "amx")
 PACKAGED_DIR = Path(__file__).resolve().parent / "_native"
 _i64, _int, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ptr = ctypes.c_void_p
@@ -37,6 +43,8 @@ def cache_dir() -> Path:
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ktft_best_isa.restype = _int
+    lib.ktft_limit_isa.restype = None
+    lib.ktft_limit_isa.argtypes = [_int]
     lib.ktft_abi_version.restype = _int
     lib.ktft_gemm_bf16.restype = _int
     lib.ktft_gemm_bf16.argtypes = [
@@ -103,15 +111,27 @@ def library() -> ctypes.CDLL:
 
 
 def best_isa() -> str:
-    """The fastest path the library runs on this CPU: ``avx2`` or ``scalar``."""
+    """The fastest path the library runs on this CPU and OS: ``amx``, ``avx512bf16``, ``avx512``,
+    ``avx2`` or ``scalar`` (CPUID and XGETBV, read by the library)."""
     code = library().ktft_best_isa()
     return {v: k for k, v in ISAS.items()}.get(code, str(code))
+
+
+def runnable_isas() -> list[str]:
+    """Every path this CPU runs, slowest first (``scalar`` .. ``best_isa()``)."""
+    best = ISAS[best_isa()]
+    return [name for name, code in ISAS.items() if 0 < code <= best]
 
 
 def _isa(isa: str | None) -> int:
     isa = isa or get("KT_FT_NATIVE_ISA")
     if isa not in ISAS:
-        raise ValueError(f"native ISA {isa!r}; valid: {', '.join(ISAS)} (KT_FT_NATIVE_ISA)")
+        raise ValueError(f"KT_FT_NATIVE_ISA={isa!r} is not a native ISA; valid: {', '.join(ISAS)}")
+    if isa != "auto" and ISAS[isa] > ISAS[best_isa()]:  # never let the library try it
+        raise RuntimeError(
+            f"KT_FT_NATIVE_ISA={isa!r}: this CPU (or its OS) does not run it; it runs "
+            f"{', '.join(runnable_isas())} (valid choices: {', '.join(ISAS)})"
+        )
     return ISAS[isa]
 
 
@@ -129,9 +149,10 @@ def _threads(threads: int | None) -> int:
 
 
 def _call_status(code: int, isa: str | None) -> None:
-    if code < 0:
+    if code < 0:  # the library's own check (the same as _isa's): kept as a second guard
         raise RuntimeError(
-            f"native GEMM refused (code {code}): ISA {isa or get('KT_FT_NATIVE_ISA')!r} not on this CPU"
+            f"native GEMM refused (code {code}): KT_FT_NATIVE_ISA={isa or get('KT_FT_NATIVE_ISA')!r} "
+            f"not run by this CPU (or its OS); it runs {', '.join(runnable_isas())}"
         )
 
 

@@ -1,6 +1,8 @@
 """``native`` backend: the ``torch`` backend's algorithm (``grouped.py``) computed in fp32, with its
 four frozen-base products through kt-ft's own C++ GEMMs (``native.py``), which read the bf16
-expert weights in place and convert them to fp32 inside the packed tile.
+expert weights in place: widened to fp32 inside the packed tile (scalar, AVX2, AVX-512F paths) or
+multiplied as bf16 with the activations rounded to bf16 and fp32 sums (AVX512-BF16, AMX paths;
+``KT_FT_NATIVE_ISA`` picks, default the best the CPU runs).
 
 Why: on a CPU without native bf16 arithmetic (AVX2, no AVX512-BF16/AMX) torch's bf16 matmul
 runs at ~1 GFLOP/s while fp32 GEMMs run at tens; an fp32 copy of the weights would double the
@@ -61,7 +63,8 @@ class NativeBackend(GroupedTorchBackend):
     @classmethod
     def auto_skip_reason(cls, dtype: torch.dtype | None = None, spec=None) -> str | None:
         if cpu_has_native_bf16():
-            # not measured against oneDNN's AMX / AVX512-BF16 kernels yet: keep what was measured
+            # measured on a 2-core AMX Xeon (docs/benchmarks.md): the AMX path's op runs on par with
+            # torch's, not clearly faster, so the fixed order keeps torch; `auto`'s measurement times both
             return "this CPU has native bf16 (AVX512-BF16/AMX), where torch's bf16 GEMMs run natively"
         return None
 

@@ -1,0 +1,54 @@
+"""GFLOP/s of each native GEMM path this CPU runs, NT (forward) and NN (backward), against torch's
+own bf16 and fp32 matmul at the same shapes in the same run: the CPU expert op's per-expert shapes
+(48 rows: DeepSeek-V2-Lite at 512 tokens) and a dense one. Best of N single calls (the machine
+may be shared).
+
+    PYTHONPATH=. python scripts/native_gemm_probe.py [N] [THREADS]
+"""
+
+import sys
+import time
+
+import torch
+
+from kt_ft.kernels import native as nt
+
+REPEAT = int(sys.argv[1]) if len(sys.argv) > 1 else 7
+THREADS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+SHAPES = [(48, 2816, 2048), (48, 2048, 1408), (3072, 2816, 2048)]  # (M, W rows, W columns)
+
+
+def best(f) -> float:
+    f()
+    times = []
+    for _ in range(REPEAT):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main() -> None:
+    torch.set_num_threads(THREADS)
+    print(f"library {nt.library()._name}, best ISA {nt.best_isa()}, {THREADS} threads, best of {REPEAT}")
+    for m, n, k in SHAPES:
+        w = torch.randn(n, k).bfloat16()
+        flops = 2 * m * n * k
+        x, dy, out, dx = torch.randn(m, k), torch.randn(m, n), torch.empty(m, n), torch.empty(m, k)
+        rates = {}
+        for isa in nt.runnable_isas():
+            if isa != "scalar":
+                nt_s = best(lambda: nt.gemm_bf16_nt(x, w, out, threads=THREADS, isa=isa))
+                nn_s = best(lambda: nt.gemm_bf16_nn(dy, w, dx, threads=THREADS, isa=isa))
+                rates[isa] = (nt_s, nn_s)
+        xb, dyb, wf = x.bfloat16(), dy.bfloat16(), w.float()
+        rates["torch bf16"] = (best(lambda: xb @ w.T), best(lambda: dyb @ w))
+        rates["torch fp32"] = (best(lambda: x @ wf.T), best(lambda: dy @ wf))
+        cells = [
+            f"{name}: NT {flops / a / 1e9:.0f} NN {flops / b / 1e9:.0f}" for name, (a, b) in rates.items()
+        ]
+        print(f"M={m} W=[{n},{k}] GFLOP/s  " + "  ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
