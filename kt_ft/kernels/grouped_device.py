@@ -90,15 +90,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor
     # per product signature: a refusal for one (e.g. a LoRA rank whose rows are not 16-byte
     # aligned) leaves the others grouped
     key = (a.device.type, a.dtype, a.shape[1], tuple(b.shape[1:]), b.stride())
-    out = _try_grouped(key, a, b, groups, f"[N, {a.shape[1]}] x {list(b.shape[1:])}")
+    out = _try_grouped(key, a, b, groups, lambda: f"[N, {a.shape[1]}] x {list(b.shape[1:])}")
     return grouped_mm_loop(a, b, groups) if out is None else out
 
 
-def _try_grouped(
-    key: tuple, a: torch.Tensor, b: torch.Tensor, groups: Groups, what: str
-) -> torch.Tensor | None:
+def _try_grouped(key: tuple, a: torch.Tensor, b: torch.Tensor, groups: Groups, what) -> torch.Tensor | None:
     """``torch._grouped_mm(a, b, offs)`` unless it is off, missing, or refused this signature
-    ``key`` before (a refusal is logged once, ``what`` naming the product); None: loop instead."""
+    ``key`` before (a refusal is logged once, ``what()`` naming the product: made only then, as
+    the step is bound by host time and this runs ~20 times a layer and pass); None: loop instead."""
     if not (_grouped_enabled() and key not in _refused and hasattr(torch, "_grouped_mm")):
         return None
     try:
@@ -107,7 +106,7 @@ def _try_grouped(
         # shape/dtype checks raise before any kernel is queued: nothing half-done to undo
         _refused.add(key)
         logger.info(
-            f"torch._grouped_mm refused a {a.dtype} {what} product on {a.device.type} "
+            f"torch._grouped_mm refused a {a.dtype} {what()} product on {a.device.type} "
             f"({str(e).splitlines()[0]}); that product loops over experts"
         )
         return None
@@ -177,7 +176,9 @@ def grouped_mm_k(a_t: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Te
     an expert without rows): the weight gradients of the grouped products. Not differentiable.
     ``torch._grouped_mm`` with offsets along K where it runs, else a loop (its reference twin)."""
     key = ("k", a_t.device.type, a_t.dtype, a_t.shape[0], b.shape[1])
-    out = _try_grouped(key, a_t, b, groups, f"weight-gradient [{a_t.shape[0]}, N] x [N, {b.shape[1]}]")
+    out = _try_grouped(
+        key, a_t, b, groups, lambda: f"weight-gradient [{a_t.shape[0]}, N] x [N, {b.shape[1]}]"
+    )
     if out is not None:
         return out
     out = a_t.new_zeros(len(groups.counts), a_t.shape[0], b.shape[1])
