@@ -252,10 +252,19 @@ def test_torch_backend_gpt_oss_matches_reference(dtype, case, rng):
     """gpt_oss experts (transposed, interleaved, biased, clamped swish): torch backend vs the float64
     reference loop, same tolerances as the plain layout."""
     c = CASES[case]
-    base, lora, x, ids, w, gy = gpt_oss_problem(c["T"], c["E"], c["k"], dtype, rng, ids=c["ids"])
+    lim = GPT_OSS_SPEC.limit
+    print(f"generator seed {rng.initial_seed()}")
+    for _draw in range(20):
+        base, lora, x, ids, w, gy = gpt_oss_problem(c["T"], c["E"], c["k"], dtype, rng, ids=c["ids"])
+        if case != "random" or dtype != torch.bfloat16:
+            break
+        # bf16: draw again in the rare problem (a tail of the LoRA products) with a pre-activation
+        # within 1 of a clamp's limit, where bf16 rounding decides the side (see above)
+        g, u = pre_activations(base, lora, x, ids, 2.0)
+        if (g - lim).abs().min() > 1 and (u.abs() - lim).abs().min() > 1:
+            break
     if case == "random":  # enough pairs to require every side of both clamps
         g, u = pre_activations(base, lora, x, ids, 2.0)
-        lim = GPT_OSS_SPEC.limit
         assert (g > lim).any() and (g < lim).any() and (u > lim).any() and (u < -lim).any()
         assert (u.abs() < lim).float().mean() > 0.3
         if dtype == torch.bfloat16:
