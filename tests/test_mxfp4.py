@@ -20,9 +20,6 @@ times a power of two are exact in fp32 and bf16). Seeds are printed.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -448,89 +445,17 @@ def test_rules_plan_counts_mxfp4_experts_as_stored(tmp_path, capsys):
     assert cpu_bf16 - cpu_mx == 2 * weights - stored
 
 
-_PROBE = r"""
-import json, sys, torch
-from pathlib import Path
-from transformers import AutoConfig
-from kt_ft.models import FAMILIES
-from kt_ft.moe import loading
-from kt_ft.quant.detect import take_quantization_config
-from kt_ft.rules import load_rules, resolve_rule_path
-
-def status(key):
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-
-def load(d):
-    config = AutoConfig.from_pretrained(d)
-    take_quantization_config(config)
-    rules = load_rules(resolve_rule_path("gpt_oss"))
-    dm, plan = loading.planned_device_map(config, rules, FAMILIES["gpt_oss"], "torch", 1, "cpu")
-    return loading.load_planned(d, dm, plan, dtype=torch.bfloat16), plan
-
-load(sys.argv[2])  # warm-up: imports, allocator, code paths
-Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-rss0 = status("VmRSS:")
-model, plan = load(sys.argv[1])
-peak = status("VmHWM:") - rss0
-experts = [getattr(model.get_submodule(e.name), n) for e in plan.experts for n in ("gate_up_proj", "down_proj")]
-print(json.dumps({
-    "peak": peak,
-    "stored": sum(q.nbytes() for q in experts),
-    "bf16": sum(q.dequantize_bytes() for q in experts),
-    "other": sum(p.numel() * p.element_size() for p in model.parameters()),
-    "kinds": sorted({type(q).__name__ for q in experts}),
-}))
-"""
-
-
-def _random_gpt_oss(out, **cfg) -> None:
-    """A random bf16 gpt_oss (transformers' save layout), built on meta then filled (fast)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fam = FAMILIES["gpt_oss"]
-    config = AutoConfig.for_model("gpt_oss", vocab_size=128, **{**fam.demo_config, **cfg})
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.uniform_(-0.05, 0.05, generator=gen)
-        for b in model.buffers():
-            b.zero_()
-    model.save_pretrained(out)
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
 def test_loading_mxfp4_peaks_below_the_bf16_experts(tmp_path):
     """Loading an MXFP4 gpt_oss (32 experts of H 512, I 512, 2 layers: 96 MiB of experts in
     bf16, 25.5 MiB stored) in a fresh process: the experts are QuantizedExperts, and the peak RSS
     growth stays below the experts' bf16 size and within 1.1 x their stored bytes + the rest +
     48 MiB (the bound tests/test_quant.py holds fp8 to)."""
-    from kt_ft.export.quantize import quantize_checkpoint
+    from test_quant import assert_quantized_load_peak
 
-    _random_gpt_oss(tmp_path / "bf16", hidden_size=512, intermediate_size=512, num_local_experts=32)
-    quantize_checkpoint(tmp_path / "bf16", tmp_path / "mxfp4", "mxfp4")
-    _random_gpt_oss(tmp_path / "wbf16")
-    quantize_checkpoint(tmp_path / "wbf16", tmp_path / "warm", "mxfp4")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(tmp_path / "mxfp4"), str(tmp_path / "warm")],
-        capture_output=True,
-        text=True,
-        env=env,
+    assert_quantized_load_peak(
+        tmp_path, "mxfp4", "gpt_oss", hidden_size=512, intermediate_size=512, num_local_experts=32
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    print(
-        f"experts {r['stored'] / MiB:.0f} MiB stored mxfp4 ({r['bf16'] / MiB:.0f} MiB as bf16), rest "
-        f"{r['other'] / MiB:.0f} MiB: peak RSS growth {r['peak'] / MiB:.0f} MiB"
-    )
-    assert r["kinds"] == ["QuantizedExperts"]
-    assert r["peak"] < r["bf16"]
-    assert r["peak"] <= 1.1 * r["stored"] + r["other"] + 48 * MiB
 
 
 @pytest.mark.lf_subprocess

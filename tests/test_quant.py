@@ -498,13 +498,12 @@ def test_fp8_linear_layers_are_kept_quantized_at_load(tiny_ckpts, monkeypatch):
 # --- memory: the experts stay quantized -------------------------------------------------------
 
 _PROBE = r"""
-import json, os, sys, torch
+import json, sys, torch
 from pathlib import Path
 from transformers import AutoConfig
 from kt_ft.models import FAMILIES
 from kt_ft.moe import loading
 from kt_ft.quant.detect import take_quantization_config
-from kt_ft.quant.formats import pack_int4
 from kt_ft.rules import load_rules, resolve_rule_path
 
 def status(key):
@@ -512,17 +511,17 @@ def status(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 
-def load(d):
+def load(d, family):
     config = AutoConfig.from_pretrained(d)
     take_quantization_config(config)
-    fam = FAMILIES["deepseek_v3"]
-    dm, plan = loading.planned_device_map(config, load_rules(resolve_rule_path("deepseek_v3")), fam, "torch", 1, "cpu")
+    rules = load_rules(resolve_rule_path(family))
+    dm, plan = loading.planned_device_map(config, rules, FAMILIES[family], "torch", 1, "cpu")
     return loading.load_planned(d, dm, plan, dtype=torch.bfloat16), plan
 
-load(sys.argv[2])  # warm-up: imports, allocator, code paths
+load(sys.argv[2], sys.argv[3])  # warm-up: imports, allocator, code paths
 Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 rss0 = status("VmRSS:")
-model, plan = load(sys.argv[1])
+model, plan = load(sys.argv[1], sys.argv[3])
 peak = status("VmHWM:") - rss0
 experts = [getattr(model.get_submodule(e.name), n) for e in plan.experts for n in ("gate_up_proj", "down_proj")]
 print(json.dumps({
@@ -535,12 +534,12 @@ print(json.dumps({
 """
 
 
-def _random_checkpoint(out: Path, **cfg) -> None:
-    """A random bf16 deepseek_v3 (transformers' save layout), built on meta then filled (fast)."""
+def _random_checkpoint(out: Path, family: str = "deepseek_v3", **cfg) -> None:
+    """A random bf16 model of ``family`` (transformers' save layout), built on meta then filled (fast)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fam = FAMILIES["deepseek_v3"]
-    config = AutoConfig.for_model("deepseek_v3", vocab_size=128, **{**fam.demo_config, **cfg})
+    fam = FAMILIES[family]
+    config = AutoConfig.for_model(family, vocab_size=128, **{**fam.demo_config, **cfg})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.to_empty(device="cpu")
@@ -553,18 +552,17 @@ def _random_checkpoint(out: Path, **cfg) -> None:
     model.save_pretrained(out)
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
-def test_loading_fp8_peaks_below_the_bf16_experts(tmp_path):
-    """Loading a DeepSeek-V3-layout fp8 checkpoint (64 experts of H 512, I 384, 2 MoE layers: 151
-    MiB of experts in bf16, 76 MiB stored) in a fresh process: peak RSS growth stays below the
-    experts' bf16 size, and within 1.1 x their stored bytes + the rest + 48 MiB."""
-    _random_checkpoint(tmp_path / "bf16", hidden_size=512, moe_intermediate_size=384, n_routed_experts=64)
-    quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", "fp8")
-    _random_checkpoint(tmp_path / "wbf16")
-    quantize_checkpoint(tmp_path / "wbf16", tmp_path / "warm", "fp8")
+def assert_quantized_load_peak(tmp_path: Path, fmt: str, family: str, **cfg) -> None:
+    """Quantize a random ``family`` model of ``cfg``'s shapes to ``fmt`` and load it in a fresh
+    process (after a warm-up load of a small one): its experts are QuantizedExperts and the peak RSS
+    growth stays below the experts' bf16 size and within 1.1 x their stored bytes + the rest + 48 MiB."""
+    _random_checkpoint(tmp_path / "bf16", family, **cfg)
+    quantize_checkpoint(tmp_path / "bf16", tmp_path / fmt, fmt)
+    _random_checkpoint(tmp_path / "wbf16", family)
+    quantize_checkpoint(tmp_path / "wbf16", tmp_path / "warm", fmt)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE, str(tmp_path / "fp8"), str(tmp_path / "warm")],
+        [sys.executable, "-c", _PROBE, str(tmp_path / fmt), str(tmp_path / "warm"), family],
         capture_output=True,
         text=True,
         env=env,
@@ -572,12 +570,22 @@ def test_loading_fp8_peaks_below_the_bf16_experts(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(
-        f"experts {r['stored'] / MiB:.0f} MiB stored fp8 ({r['bf16'] / MiB:.0f} MiB as bf16), rest "
+        f"experts {r['stored'] / MiB:.0f} MiB stored {fmt} ({r['bf16'] / MiB:.0f} MiB as bf16), rest "
         f"{r['other'] / MiB:.0f} MiB: peak RSS growth {r['peak'] / MiB:.0f} MiB"
     )
     assert r["kinds"] == ["QuantizedExperts"]
     assert r["peak"] < r["bf16"]
     assert r["peak"] <= 1.1 * r["stored"] + r["other"] + 48 * MiB
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
+def test_loading_fp8_peaks_below_the_bf16_experts(tmp_path):
+    """Loading a DeepSeek-V3-layout fp8 checkpoint (64 experts of H 512, I 384, 2 MoE layers: 151
+    MiB of experts in bf16, 76 MiB stored) in a fresh process: peak RSS growth stays below the
+    experts' bf16 size, and within 1.1 x their stored bytes + the rest + 48 MiB."""
+    assert_quantized_load_peak(
+        tmp_path, "fp8", "deepseek_v3", hidden_size=512, moe_intermediate_size=384, n_routed_experts=64
+    )
 
 
 # --- plans ------------------------------------------------------------------------------------
