@@ -376,26 +376,12 @@ def test_manifest_records_mxfp4_and_merge_refuses_it(tmp_path, capsys):
     ``experts.base_format: mxfp4``, merge onto it is refused with the reason and the options, and
     merge onto its ``kt-ft dequantize`` copy works."""
     pytest.importorskip("llamafactory")
-    from kt_adapters import lf_load
+    from test_quant import assert_quantized_adapter_round_trip
 
     from kt_ft.demo import make_demo_model
 
     assets = make_demo_model(tmp_path / "demo", family="gpt_oss")
-    q = tmp_path / "mxfp4"
-    assert cli(["quantize", str(assets / "model"), str(q), "--format", "mxfp4"]) == 0
-    model = lf_load(assets, True, model_dir=q, output_dir=str(tmp_path / "train"))
-    experts = [m for m in model.modules() if type(m).__name__ == "KTExperts"]
-    assert experts and all(isinstance(m.gate_up_proj, QuantizedExperts) for m in experts)
-    model.save_pretrained(str(tmp_path / "adapter"))
-    manifest = json.loads((tmp_path / "adapter" / "kt_adapter_manifest.json").read_text())
-    assert manifest["experts"]["base_format"] == "mxfp4"
-    capsys.readouterr()
-    assert cli(["merge", str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 2
-    err = capsys.readouterr().err
-    assert "mxfp4-quantized" in err and "kt-ft dequantize" in err and "kt-ft convert" in err, err
-    assert cli(["dequantize", str(q), str(tmp_path / "plain")]) == 0
-    merged = tmp_path / "merged"
-    assert cli(["merge", str(tmp_path / "adapter"), str(merged), "--base", str(tmp_path / "plain")]) == 0
+    merged = assert_quantized_adapter_round_trip(assets, "mxfp4", tmp_path, capsys)
     assert detect_format(json.loads((merged / "config.json").read_text())) is None
 
 

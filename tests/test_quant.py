@@ -729,30 +729,35 @@ def test_rules_plan_counts_int4_experts_as_stored(tmp_path, capsys):
 # --- checkpoints: manifest and merge -----------------------------------------------------------
 
 
-def test_manifest_records_the_base_format_and_merge_refuses_it(demo_assets, tmp_path, capsys):
-    """Through LLaMA-Factory: an int8 copy of the demo loads with its experts kept int8, the saved
-    manifest says ``experts.base_format: int8``, merge onto it is refused with the reason and the
-    options, and merge onto its ``kt-ft dequantize`` copy works."""
-    pytest.importorskip("llamafactory")
+def assert_quantized_adapter_round_trip(assets: Path, fmt: str, tmp_path: Path, capsys) -> Path:
+    """Through LLaMA-Factory: ``kt-ft quantize --format fmt`` of the demo in ``assets`` loads with
+    its experts kept quantized, the saved manifest says ``experts.base_format: fmt``, merge onto it
+    is refused with the reason and the options, and merge onto its ``kt-ft dequantize`` copy works;
+    returns the merged model's directory."""
     from kt_adapters import lf_load
 
-    q = tmp_path / "int8"
-    assert cli(["quantize", str(demo_assets / "model"), str(q), "--format", "int8"]) == 0
-    model = lf_load(demo_assets, True, model_dir=q, output_dir=str(tmp_path / "train"))
+    q = tmp_path / fmt
+    assert cli(["quantize", str(assets / "model"), str(q), "--format", fmt]) == 0
+    model = lf_load(assets, True, model_dir=q, output_dir=str(tmp_path / "train"))
     experts = [m for m in model.modules() if type(m).__name__ == "KTExperts"]
     assert experts and all(isinstance(m.gate_up_proj, QuantizedExperts) for m in experts)
     model.save_pretrained(str(tmp_path / "adapter"))
     manifest = json.loads((tmp_path / "adapter" / "kt_adapter_manifest.json").read_text())
-    assert manifest["experts"]["base_format"] == "int8"
+    assert manifest["experts"]["base_format"] == fmt
     capsys.readouterr()
     assert cli(["merge", str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 2
     err = capsys.readouterr().err
-    assert "int8-quantized" in err and "kt-ft dequantize" in err and "kt-ft convert" in err, err
+    assert f"{fmt}-quantized" in err and "kt-ft dequantize" in err and "kt-ft convert" in err, err
     assert cli(["dequantize", str(q), str(tmp_path / "plain")]) == 0
-    assert (
-        cli(["merge", str(tmp_path / "adapter"), str(tmp_path / "merged"), "--base", str(tmp_path / "plain")])
-        == 0
-    )
+    merged = tmp_path / "merged"
+    assert cli(["merge", str(tmp_path / "adapter"), str(merged), "--base", str(tmp_path / "plain")]) == 0
+    return merged
+
+
+def test_manifest_records_the_base_format_and_merge_refuses_it(demo_assets, tmp_path, capsys):
+    """Through LLaMA-Factory: an int8 copy of the demo (``assert_quantized_adapter_round_trip``)."""
+    pytest.importorskip("llamafactory")
+    assert_quantized_adapter_round_trip(demo_assets, "int8", tmp_path, capsys)
 
 
 def test_take_quantization_config_strips_only_what_it_reads():

@@ -375,8 +375,8 @@ def format_report(report: dict, model_dir: str) -> str:
         sizes = (d["param_bytes"], d["train_state_bytes"], d["activation_bytes"], d["total_bytes"])
         lines.append(f"  {name:<8}" + "".join(f"{fmt_bytes(n):>12}" for n in sizes) + f"{budget:>12}  {fits}")
     lines.append(
-        f"  (LoRA+optim: {s.get('state_bytes', TRAIN_STATE_BYTES)} bytes per trainable parameter"
-        + (", pure_bf16" if s.get("state_bytes") == PURE_BF16_STATE_BYTES else "")
+        f"  (LoRA+optim: {s['state_bytes']} bytes per trainable parameter"
+        + (", pure_bf16" if s["state_bytes"] == PURE_BF16_STATE_BYTES else "")
         + "; activations: estimate, kt_ft/rules/report.py;"
         " a GPU's total includes the CUDA runtime outside PyTorch's allocator)"
     )
