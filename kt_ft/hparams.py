@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .errors import KTConfigError
 
-KT_BACKENDS = ("auto", "torch", "torch-ep", "reference", "kt-kernel")
+KT_BACKENDS = ("auto", "torch", "torch-ep", "native", "reference", "kt-kernel")
 
 # LLaMA-Factory 0.9.5's own `use_kt` keys drive the forked transformers-kt/accelerate-kt path,
 # which kt-ft replaces; setting them together with kt-ft's `use_kt` would silently do nothing.
@@ -96,7 +96,8 @@ class KTArguments:
         default="auto",
         metadata={
             "help": "kt-ft CPU expert backend: auto (the fastest this CPU runs), torch (portable, grouped), "
-            "torch-ep (torch with experts in parallel threads), "
+            "torch-ep (torch with experts in parallel threads), native (kt-ft's own C++ kernels: AVX2, AVX-512, "
+            "AMX), "
             "reference (slow pure-torch loop, for checking) or kt-kernel (AMX/AVX512-BF16 CPUs)."
         },
     )

@@ -414,3 +414,14 @@ def test_plan_counts_what_the_cpu_op_keeps_for_its_backward(rng):
     slack = e * (ROW_PAD - 1) * (2 * inter + 3 * r) * 4
     print(f"kept {kept} B, estimate {est} B, padding allowance {slack} B")
     assert kept <= est <= kept + slack
+
+
+def test_recipe_backend_choices_are_the_registry():
+    """Every backend kt-ft can run is a valid recipe / rule value, and nothing else is (the recipe's
+    list lives in the torch-free hparams module, the registry beside the kernels)."""
+    from kt_ft.hparams import KT_BACKENDS
+
+    assert KT_BACKENDS[0] == "auto" and sorted(KT_BACKENDS[1:]) == sorted(BACKENDS), (
+        KT_BACKENDS,
+        list(BACKENDS),
+    )

@@ -54,7 +54,7 @@ def test_bad_values_are_reported_together_before_loading(demo_assets, tmp_path):
         )
     msg = str(info.value)
     assert "cpu_infer=-2" in msg and "positive integer" in msg
-    assert "kt_backend='fastest'" in msg and "auto, torch, torch-ep, reference, kt-kernel" in msg
+    assert "kt_backend='fastest'" in msg and "auto, torch, torch-ep, native, reference, kt-kernel" in msg
     assert "kt_optimize_rule='nope.yaml'" in msg and "qwen3_moe" in msg  # lists the built-in rules
     assert len(info.value.problems) == 3
 

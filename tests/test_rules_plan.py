@@ -152,7 +152,7 @@ def test_check_lists_schema_include_and_device_problems_together(tmp_path, capsy
     assert f"{rule}:2: [0].match.clas: unknown key (did you mean 'class'?)" in err
     assert f"{rule}:4: [0].replace.device: 'cuda:3' does not exist: this machine has " in err
     assert (
-        f"{rule}:5: [0].replace.backend: 'amx'; valid choices: auto, torch, torch-ep, reference, kt-kernel"
+        f"{rule}:5: [0].replace.backend: 'amx'; valid choices: auto, torch, torch-ep, native, reference, kt-kernel"
         in err
     )
     assert f"{rule}:6: [1].include: 'nope.yaml': no file {tmp_path / 'nope.yaml'} and no built-in rule" in err
