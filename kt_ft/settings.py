@@ -69,6 +69,12 @@ _ALL = (
         "numerics",
     ),
     Setting(
+        "KT_FT_DEQUANT_CHUNK_MIB",
+        "256",
+        "MiB of experts kept quantized (fp8, int8, ...) that GPU experts dequantize at once for one grouped "
+        "product (a chunk of experts; at least one expert); the GPU memory plan counts it",
+    ),
+    Setting(
         "KT_FT_LORA_BMM",
         "1",
         "0: the torch CPU backend computes the expert LoRA one expert at a time",
@@ -119,6 +125,18 @@ def enabled(name: str) -> bool:
     """A yes/no setting: anything but 0 / false / no / off (any case) or empty is yes."""
     value = get(name)
     return value is not None and value.strip().lower() not in _FALSE
+
+
+def positive_number(name: str) -> float:
+    """A numeric setting, > 0; anything else stops with the name, the value and the default."""
+    raw = get(name)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: not a positive number (default {SETTINGS[name].default})")
+    return value
 
 
 def changed() -> dict[str, str]:

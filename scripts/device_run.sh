@@ -33,6 +33,7 @@ THREADS=${THREADS:-$(nproc)}
   grep -o -w "amx_bf16\|avx512_bf16\|avx512f" /proc/cpuinfo | sort | uniq -c
   python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
   python3 -c "import kt_kernel; print('kt_kernel variant', kt_kernel.__cpu_variant__)"
+  df -h /tmp | tail -1
 } 2>&1 | tee "$OUT/env.txt"
 # env: SEQ, THREADS; placement: CAPS, PLACEMENTS, PLACEMENT_LAYERS, PLACEMENT_SYSTEMS (peft-gpu; kt-ft: without it),
 # PROFILE_DIR; step: STEP_LAYERS, SYSTEMS, BACKENDS, STEP_PRESETS; KT_FT_BENCH_REPLAN=0 / KT_FT_BENCH_TRACE=1
@@ -58,8 +59,9 @@ for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/step-$preset.log"
 done
 # the product path: `llamafactory-cli train` once per system on a random model of a real config
-# (E2E_PRESETS, E2E_LAYERS: a count, empty = full depth; E2E_SYSTEMS; E2E_STEPS; E2E_PROFILE=1: one step
-# of each run under torch.profiler, tables under $OUT/e2e-prof.tgz)
+# (E2E_PRESETS, E2E_LAYERS: a count, empty = full depth; E2E_SYSTEMS, where `+fp8` etc. runs a system on
+# the model's `kt-ft quantize` copy; E2E_STEPS; E2E_PROFILE=1: one step of each run under torch.profiler,
+# tables under $OUT/e2e-prof.tgz)
 [[ ${E2E_PROFILE:-0} == 1 ]] && export KT_FT_PROFILE=/tmp/e2e-prof
 for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
   [[ ",$PARTS," == *,e2e,* ]] || break
@@ -69,7 +71,7 @@ for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
   mkdir -p "$OUT/e2e-logs" && for f in /tmp/e2e-"$preset"/runs/*/train.log; do
     cp "$f" "$OUT/e2e-logs/$preset-$(basename "$(dirname "$f")").log"; done
   tar -czf "$OUT/e2e-logs-$preset.tgz" -C "$OUT" e2e-logs && rm -rf "$OUT/e2e-logs"
-  rm -rf "/tmp/e2e-$preset/model"  # the disk holds one full-size model at a time
+  rm -rf "/tmp/e2e-$preset"/model*  # the disk holds one full-size model (and its quantized copy) at a time
 done
 [[ -d /tmp/e2e-prof ]] && tar -czf "$OUT/e2e-prof.tgz" -C /tmp e2e-prof
 # generation through LF's do_predict (GEN_PRESET at GEN_LAYERS, empty = full depth; GEN_SYSTEM): the merged

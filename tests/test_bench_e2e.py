@@ -39,6 +39,13 @@ def test_parse_systems_names_the_valid_forms():
     assert parse_systems("kt-auto@12.5")[0].cap_gib == 12.5
     with pytest.raises(ValueError, match="'kt-fast' is not a system; valid: peft, kt-cpu:<backend>"):
         parse_systems("peft,kt-fast")
+    # a kt-ft system on the model's `kt-ft quantize` copy
+    (q,) = parse_systems("kt-auto@24+fp8")
+    assert (q.name, q.kind, q.cap_gib, q.quant) == ("kt-auto@24+fp8", "auto", 24, "fp8")
+    assert parse_systems("kt-cpu:torch+int8")[0].backend == "torch"
+    for bad in ("peft+fp8", "kt-auto+gptq", "kt-peer+int8"):
+        with pytest.raises(ValueError, match="takes one of fp8, int8, int4 after a kt-ft system"):
+            parse_systems(bad)
 
 
 def test_the_peer_system_gets_llamafactorys_own_keys_and_needs_its_packages(tmp_path):
@@ -76,7 +83,7 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "kt_ft.cli", "bench", "--parts", "e2e", "--preset", "tiny", "--seq", "64",
          "--e2e-steps", "2", "--grad-accum", "1", "--threads", "1", "--cpu-infer", "1",
-         "--e2e-systems", "peft,kt-cpu:torch,kt-auto",
+         "--e2e-systems", "peft,kt-cpu:torch,kt-auto,kt-cpu:torch+int8",
          "--workdir", str(tmp_path / "work"), "--json", str(out)],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
@@ -84,7 +91,7 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
     assert "skipping kt-auto: needs a CUDA GPU" in proc.stdout
     assert "llamafactory-cli train, tiny x2 layers, cutoff_len 64" in proc.stdout
     records = {r["system"]: r for r in json.loads(out.read_text())["records"]}
-    assert set(records) == {"peft", "kt-cpu:torch"}, proc.stdout[-3000:]
+    assert set(records) == {"peft", "kt-cpu:torch", "kt-cpu:torch+int8"}, proc.stdout[-3000:]
     for r in records.values():
         assert r["rc"] == 0 and r["steps_logged"] == 2, r
         assert r["tokens_per_step"] == 64  # every example is longer than cutoff_len
@@ -92,6 +99,16 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
         assert len(r["losses"]) == 2 and r["losses"][0] == r["first_loss"]
     a, b = records["kt-cpu:torch"]["first_loss"], records["peft"]["first_loss"]
     assert abs(a - b) <= 1e-4 * abs(b), (a, b)
+    # the same model with its routed experts in int8 (per-channel: ~0.4% of each weight) runs on the
+    # `kt-ft quantize` copy, its experts kept int8: the first loss moves by the rounding only
+    q = records["kt-cpu:torch+int8"]["first_loss"]
+    assert q != a and abs(q - a) <= 1e-2 * abs(a), (q, a)
+    work = tmp_path / "work"
+    recipe = yaml.safe_load((work / "runs" / "kt-cpu-torch+int8" / "recipe.yaml").read_text())
+    assert recipe["model_name_or_path"] == str(work / "model-int8")
+    assert json.loads((work / "model-int8" / "config.json").read_text())["quantization_config"]["format"] == (
+        "int-quantized"
+    )
     for name in ("peft", "kt-cpu-torch"):  # the profiled step's tables
         assert "## by self CPU time" in (tmp_path / "prof" / name / "step1.txt").read_text()
     # the recipe of each run stays beside its log, to rerun by hand

@@ -66,6 +66,93 @@ def test_dequantize_matches_the_plain_twin(fmt):
         assert f.nbytes(*shape) == sum(t.numel() * t.element_size() for t in parts.values())
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_dequantize_many_is_each_weight_dequantized(fmt, device):
+    """A chunk of experts at once (what GPU experts read) == ``dequantize`` of each on the CPU,
+    bitwise, into a fresh tensor and into rows of a larger buffer (the gate / up parts of one fused
+    weight); on CUDA too where there is one (fp8 converts there without the table)."""
+    f = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(SEED)
+    print("seed", SEED)
+    for shape in [(256, 384), (96, 64)]:
+        parts = [f.quantize((torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)) for _ in range(3)]
+        want = torch.stack([f.dequantize(p, torch.bfloat16) for p in parts]).to(device)
+        stacked = {k: torch.stack([p[k] for p in parts]).to(device) for k in parts[0]}
+        assert torch.equal(f.dequantize_many(stacked, torch.bfloat16), want), (fmt, shape)
+        buf = torch.zeros(3, shape[0] + 5, shape[1], dtype=torch.bfloat16, device=device)
+        f.dequantize_many(stacked, torch.bfloat16, out=buf[:, 5:])
+        assert torch.equal(buf[:, 5:], want) and not buf[:, :5].any(), (fmt, shape)
+
+
+@pytest.mark.parametrize("fmt", PER_EXPERT_FORMATS)
+@pytest.mark.parametrize("transpose", [True, False])
+@pytest.mark.parametrize("transposed", [False, True], ids=["stored", "stored_transposed"])
+def test_grouped_products_dequantize_a_bounded_chunk_of_experts(fmt, transpose, transposed, monkeypatch):
+    """``base_mm`` on experts kept quantized: the chunks of experts it dequantizes hold at most
+    ``KT_FT_DEQUANT_CHUNK_MIB`` (here two experts), experts without rows included, and the product
+    equals one matmul per expert on ``w[e]`` (float32: 1e-6 of the largest entry; the same
+    dequantized values, another summation order at most). With a bound that holds the layer it
+    dequantizes once and reads no row counts from the device."""
+    from kt_ft.kernels.grouped_device import Groups, base_mm
+
+    f = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(SEED)
+    print("seed", SEED)
+    g, rows, cols = 5, 128, 256
+    parts = [f.quantize(torch.randn(rows, cols, generator=gen) * 0.02) for _ in range(g)]
+    stacked = {k: torch.stack([p[k] for p in parts]) for k in parts[0]}
+    w = QuantizedExperts(f, [stacked], [rows], cols, torch.float32, transposed=transposed)
+    m_in = w.shape[2] if transpose else w.shape[1]
+    counts = [3, 0, 7, 1, 4]
+    a = torch.randn(sum(counts), m_in, generator=gen)
+    want, off = [], 0
+    for e, c in enumerate(counts):
+        we = w[e]
+        want.append(a[off : off + c] @ (we.t() if transpose else we))
+        off += c
+    want = torch.cat(want)
+    seen = []
+    orig = QuantizedExperts.experts
+
+    def record(self, lo, hi, dtype=None):
+        seen.append((lo, hi))
+        return orig(self, lo, hi, dtype)
+
+    monkeypatch.setattr(QuantizedExperts, "experts", record)
+    monkeypatch.setenv("KT_FT_DEQUANT_CHUNK_MIB", str(2.5 * rows * cols * 4 / MiB))  # two experts
+    groups = Groups(torch.tensor(counts), sum(counts))
+    got = base_mm(a, w, groups, transpose)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max(), fmt
+    assert seen == [(0, 2), (2, 4), (4, 5)], seen
+    seen.clear()
+    monkeypatch.setenv("KT_FT_DEQUANT_CHUNK_MIB", "256")
+    groups = Groups(torch.tensor(counts), sum(counts))
+    got = base_mm(a, w, groups, transpose)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max(), fmt
+    assert seen == [(0, 5)] and groups._counts is None  # one chunk: no host read of the counts
+    monkeypatch.setenv("KT_FT_DEQUANT_CHUNK_MIB", "zero")
+    with pytest.raises(ValueError, match="KT_FT_DEQUANT_CHUNK_MIB='zero': not a positive number"):
+        base_mm(a, w, groups, transpose)
+
+
+def test_the_plan_counts_the_dequantized_chunk(monkeypatch):
+    """A layer of experts kept quantized needs the chunk one grouped product dequantizes beside its
+    activations: min(layer, max(one expert, KT_FT_DEQUANT_CHUNK_MIB)) of gate|up weights."""
+    from kt_ft.placement.cost import LayerShape
+
+    dense = LayerShape(num_experts=128, hidden=2048, inter=768, top_k=8)
+    quant = LayerShape(num_experts=128, hidden=2048, inter=768, top_k=8, stored_bytes=3 * 2048 * 768)
+    gate_up = 2 * 768 * 2048 * 2
+    assert dense.dequant_bytes() == 0
+    assert quant.gpu_act_bytes(16384) - dense.gpu_act_bytes(16384) == quant.dequant_bytes()
+    assert quant.dequant_bytes() == (256 * MiB // gate_up) * gate_up  # 42 experts of the default 256 MiB
+    monkeypatch.setenv("KT_FT_DEQUANT_CHUNK_MIB", "1")
+    assert quant.dequant_bytes() == gate_up  # at least one expert
+    monkeypatch.setenv("KT_FT_DEQUANT_CHUNK_MIB", "100000")
+    assert quant.dequant_bytes() == 128 * gate_up  # at most the layer
+
+
 def test_int4_words_are_compressed_tensors_pack_quantized():
     """Hand-packed words: code j of a word in bits 4j..4j+3, stored as q + 8 (compressed-tensors'
     pack_to_int32 offset encoding): 0x76543210 holds q = -8..-1, 0xFEDCBA98 holds q = 0..7."""

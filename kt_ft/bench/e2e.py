@@ -14,6 +14,9 @@ there is a GPU, LLaMA-Factory's default gradient checkpointing, kt-ft's default 
 - ``kt-cpu:<backend>``: every routed expert on the CPU, computed by ``<backend>``.
 - ``kt-auto``, ``kt-auto@<GiB>``: ``placement: auto`` uncapped / under ``kt_gpu_memory``.
 - ``kt-stream``: every routed expert streamed to the GPU each time its layer runs.
+- ``<kt system>+<format>`` (``kt-auto@24+fp8``, ``kt-cpu:torch+int8``, ...): the same system on a
+  copy of the model made by ``kt-ft quantize --format <format>`` (fp8, int8, int4), its routed experts
+  kept quantized in RAM and on the GPU.
 - ``kt-peer``: KTransformers' own SFT path, the peer: LLaMA-Factory's native ``use_kt`` with
   transformers-kt, accelerate-kt and kt-kernel (``kt_config: {kt_backend: AMXBF16, kt_num_threads}``),
   kt-ft's start-up hook off (``KT_FT_DISABLE=1``). Those packages replace transformers and
@@ -44,7 +47,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -59,6 +62,7 @@ from .vl_assets import is_vl, real_layers, write_vl_assets
 GIB = 2**30
 DATASET = "kt_e2e"
 LORA_RANK, LORA_ALPHA = 8, 16
+QUANT_FORMATS = ("fp8", "int8", "int4")  # `kt-ft quantize` formats a `+<format>` system takes
 DEFAULT_SYSTEMS = "peft,kt-auto,kt-auto@24,kt-auto@12,kt-stream,kt-cpu:kt-kernel,kt-cpu:torch"
 _SYLLABLES = "ka to ri mu se lo na vi pe du shi gor tan bel qua zen".split()
 
@@ -71,6 +75,7 @@ class System:
     kind: str
     backend: str = "auto"
     cap_gib: float | None = None
+    quant: str | None = None  # ``+fp8`` etc.: runs on the model's ``kt-ft quantize`` copy
 
     @property
     def use_kt(self) -> bool:
@@ -82,9 +87,17 @@ def parse_systems(text: str) -> list[System]:
     """``peft,kt-cpu:torch,kt-auto,kt-auto@24,kt-stream`` -> systems; an unknown name is an error
     that lists the valid forms."""
     out = []
-    for raw in (s.strip() for s in text.split(",")):
-        if not raw:
+    for full in (s.strip() for s in text.split(",")):
+        if not full:
             continue
+        raw, _, quant = full.partition("+")
+        if quant:
+            if quant not in QUANT_FORMATS or not raw.startswith("kt-") or raw == "kt-peer":
+                raise ValueError(
+                    f"--systems: {full!r}: a '+<format>' suffix takes one of {', '.join(QUANT_FORMATS)} "
+                    "after a kt-ft system (kt-cpu:<backend>, kt-auto, kt-auto@<GiB>, kt-stream)"
+                )
+        n = len(out)
         if raw == "peft":
             out.append(System(raw, "peft"))
         elif raw.startswith("kt-cpu:") and raw.split(":", 1)[1]:
@@ -100,8 +113,11 @@ def parse_systems(text: str) -> list[System]:
         else:
             raise ValueError(
                 f"--systems: {raw!r} is not a system; valid: peft, kt-cpu:<backend> (torch, kt-kernel, ...), "
-                "kt-auto, kt-auto@<GiB>, kt-stream, kt-peer"
+                "kt-auto, kt-auto@<GiB>, kt-stream, kt-peer; a kt-ft system may end in "
+                f"+<format> ({', '.join(QUANT_FORMATS)})"
             )
+        if quant and len(out) > n:
+            out[-1] = replace(out[-1], name=full, quant=quant)
     if not out:
         raise ValueError("--systems: no system named")
     return out
@@ -163,6 +179,24 @@ def write_assets(
     )
     stamp.write_text(json.dumps(want))
     return model_dir, data_dir, layers
+
+
+def write_quantized(model_dir: Path, fmt: str) -> Path:
+    """``kt-ft quantize --format fmt`` of ``model_dir`` into its sibling ``model-<fmt>`` (rewritten each
+    time; quantized on the GPU when there is one). Returns that directory."""
+    import torch
+
+    from ..export.quantize import quantize_checkpoint
+
+    out = model_dir.parent / f"model-{fmt}"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    c = quantize_checkpoint(model_dir, out, fmt, device="cuda" if torch.cuda.is_available() else "cpu")
+    print(
+        f"wrote {out} (kt-ft quantize --format {fmt}: {c['bytes_in'] / 2**30:.1f} GiB -> "
+        f"{c['bytes_out'] / 2**30:.1f} GiB) in {time.perf_counter() - t0:.0f} s"
+    )
+    return out
 
 
 def _point_config_at_tokenizer(model_dir: Path, tokenizer) -> None:
@@ -520,8 +554,10 @@ def run_e2e(
         # H200) leaves with the child, so what the driver reports during the runs is theirs alone
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             model_dir, data_dir, layers = pool.apply(write_assets, args)
+            quant_dirs = {q: pool.apply(write_quantized, (model_dir, q)) for q in _quants(systems)}
     else:
         model_dir, data_dir, layers = write_assets(*args)
+        quant_dirs = {q: write_quantized(model_dir, q) for q in _quants(systems)}
     records = []
     prof_root = settings.get("KT_FT_PROFILE")
     for system in systems:
@@ -532,7 +568,7 @@ def run_e2e(
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         recipe = write_recipe(
-            run_dir, system, model_dir=model_dir, data_dir=data_dir, preset=preset, cutoff_len=cutoff_len,
+            run_dir, system, model_dir=quant_dirs.get(system.quant, model_dir), data_dir=data_dir, preset=preset, cutoff_len=cutoff_len,
             steps=steps, grad_accum=grad_accum, threads=threads, bf16=cuda, cpu_infer=cpu_infer,
         )  # fmt: skip
         print(f"[{system.name}] llamafactory-cli train {recipe}", flush=True)
@@ -557,8 +593,14 @@ def run_e2e(
         shutil.rmtree(run_dir / "output", ignore_errors=True)
     print_table(records, cutoff_len, grad_accum)
     if not keep_model:
-        shutil.rmtree(model_dir, ignore_errors=True)
+        for d in (model_dir, *quant_dirs.values()):
+            shutil.rmtree(d, ignore_errors=True)
     return records
+
+
+def _quants(systems: list[System]) -> list[str]:
+    """The formats the systems' ``+<format>`` suffixes name, each once."""
+    return sorted({s.quant for s in systems if s.quant})
 
 
 def _one_line(r: E2ERecord) -> str:

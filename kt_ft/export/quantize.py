@@ -171,9 +171,13 @@ def _mxfp4_family_check(model_dir: Path) -> None:
         )
 
 
-def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt_name: str) -> dict:
+def quantize_checkpoint(
+    model_dir: str | Path, out_dir: str | Path, fmt_name: str, device: str | torch.device = "cpu"
+) -> dict:
     """Write ``model_dir`` (a plain checkpoint) to ``out_dir`` in format ``fmt_name`` (int8, fp8,
-    int4, mxfp4). Returns {quantized, kept, bytes_in, bytes_out}."""
+    int4, mxfp4), each weight quantized on ``device`` (the same arithmetic there; the bench uses
+    the GPU for its full-size models) and written from the CPU. Returns
+    {quantized, kept, bytes_in, bytes_out}."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if fmt_name not in FORMATS:
         raise KTConfigError(f"--format {fmt_name!r} is unknown; valid choices: {', '.join(FORMATS)}")
@@ -195,7 +199,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt_name: st
         if fmt.name == "mxfp4":
             if t.dim() == 3 and t.is_floating_point() and FUSED_TRANSPOSED.search(key):
                 counts["quantized"] += t.shape[0]
-                return quantize_fused_transposed(fmt, t, key)
+                return _to_cpu(quantize_fused_transposed(fmt, t.to(device), key))
             counts["kept"] += 1
             return {key: t}
         if not _selected(fmt, key, t):
@@ -205,7 +209,7 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt_name: st
             return {key: t}
         counts["quantized"] += 1
         stem = key[: -len("weight")]
-        return {stem + name: v for name, v in fmt.quantize(t).items()}
+        return {stem + name: v for name, v in _to_cpu(fmt.quantize(t.to(device))).items()}
 
     def edit(config):
         qc = fmt.quantization_config()
@@ -219,6 +223,10 @@ def quantize_checkpoint(model_dir: str | Path, out_dir: str | Path, fmt_name: st
         f"{counts['bytes_in'] / 2**20:.1f} MiB -> {counts['bytes_out'] / 2**20:.1f} MiB"
     )
     return counts
+
+
+def _to_cpu(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.cpu() for k, v in parts.items()}
 
 
 def dequantize_checkpoint(model_dir: str | Path, out_dir: str | Path, dtype: str = "bf16") -> dict:

@@ -21,7 +21,7 @@ import torch
 
 from ..log import get_logger
 from ..quant.weights import rebuild_quantized
-from ..settings import enabled
+from ..settings import enabled, positive_number
 from .activation import gated_act, gated_act_backward
 from .base import ExpertWeights, LoraTensors, accum_dtype
 
@@ -123,19 +123,36 @@ def base_mm(a: torch.Tensor, w, groups: Groups, transpose: bool) -> torch.Tensor
     layout) or ``w[e]`` (w [G, K, M]: the other way round) -> [N, M].
 
     Dense weights: one grouped product (``grouped_mm``). Weights kept quantized
-    (``kt_ft.quant.QuantizedExperts``, on the device in their stored form): one expert at a time,
-    each dequantized on the device right before its product and dropped after it, so a layer's
-    experts are never dense there all at once."""
+    (``kt_ft.quant.QuantizedExperts``, on the device in their stored form): a chunk of experts at a
+    time (``dequant_chunks``), dequantized on the device into one buffer right before the chunk's
+    grouped product over its rows and dropped after it, so a layer's experts are dense there at
+    most ``KT_FT_DEQUANT_CHUNK_MIB`` at a time (or one expert, if larger)."""
     if getattr(w, "fmt", None) is None:
         return grouped_mm(a, _t(w) if transpose else w, groups)
-    out = a.new_empty(a.shape[0], w.shape[1] if transpose else w.shape[2])
-    off = 0
-    for e, c in enumerate(groups.counts):
-        if c:
-            we = w[e]  # [M, K] in the compute dtype
-            out[off : off + c] = a[off : off + c] @ (we.t() if transpose else we)
-        off += c
+    g, m_dim = w.shape[0], w.shape[1] if transpose else w.shape[2]
+    chunks = dequant_chunks(g, w.shape[1] * w.shape[2] * w.dtype.itemsize)
+    if len(chunks) == 1:  # the whole group at once: no row counts needed on the host (no sync)
+        wc = w.experts(0, g)
+        return grouped_mm(a, _t(wc) if transpose else wc, groups)
+    counts = groups.counts  # a chunk's rows: read from the device once (a sync) unless known
+    out = a.new_empty(a.shape[0], m_dim)
+    row = 0
+    for lo, hi in chunks:
+        rows = sum(counts[lo:hi])
+        if rows:
+            wc = w.experts(lo, hi)
+            sub = Groups(groups.counts_dev[lo:hi], rows, counts[lo:hi])
+            out[row : row + rows] = grouped_mm(a[row : row + rows], _t(wc) if transpose else wc, sub)
+            del wc
+        row += rows
     return out
+
+
+def dequant_chunks(experts: int, expert_bytes: int) -> list[tuple[int, int]]:
+    """(lo, hi) expert ranges covering 0..experts, each dequantized at once by ``base_mm``: as many
+    experts as ``KT_FT_DEQUANT_CHUNK_MIB`` holds at ``expert_bytes`` each (at least one)."""
+    per = max(1, int(positive_number("KT_FT_DEQUANT_CHUNK_MIB") * 2**20) // max(1, expert_bytes))
+    return [(lo, min(lo + per, experts)) for lo in range(0, experts, per)]
 
 
 def grouped_expert_forward(

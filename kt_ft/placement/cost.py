@@ -63,7 +63,8 @@ once a step: an upper bound under gradient accumulation).
 GPU memory of the experts: resident weights + 2 layers of stream buffers (double buffering,
 sized for the layer with the most streamed experts) + one layer's expert activations at the
 peak of its recompute and backward (``LayerShape.gpu_act_bytes``: (3·H + 5·I) values a GPU pair
-and two fp32 slices); the rest
+and two fp32 slices, plus for experts kept quantized the chunk one product dequantizes at once:
+``LayerShape.dequant_bytes``); the rest
 of the GPU (non-expert weights, LoRA, optimizer, activations) is ``kt_ft/rules/report.py``'s
 estimate.
 """
@@ -74,6 +75,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..kernels.grouped_device import BACKWARD_SLICE_ROWS
+from ..settings import positive_number
 
 PASSES = 2  # times a streamed layer's weights cross the link per step (forward + recompute)
 STREAM_BUFFERS = 2  # layers of stream buffers on the GPU (one computing, one filling)
@@ -136,7 +138,18 @@ class LayerShape:
         if pairs <= 0:
             return 0
         h, i = self.hidden, self.inter
-        return int(pairs * (3 * h + 5 * i) * self.act_bytes + 2 * min(pairs, BACKWARD_SLICE_ROWS) * h * 4)
+        act = int(pairs * (3 * h + 5 * i) * self.act_bytes + 2 * min(pairs, BACKWARD_SLICE_ROWS) * h * 4)
+        return act + self.dequant_bytes()
+
+    def dequant_bytes(self) -> int:
+        """GPU bytes of the experts kept quantized that one grouped product dequantizes at once
+        (``kernels/grouped_device.base_mm``: a chunk of ``KT_FT_DEQUANT_CHUNK_MIB``, at least one
+        expert's gate|up weight, at most the layer's); 0 for dense experts."""
+        if self.stored_bytes is None:
+            return 0
+        per = 2 * self.inter * self.hidden * self.act_bytes  # one expert's gate|up: the larger weight
+        budget = int(positive_number("KT_FT_DEQUANT_CHUNK_MIB") * 2**20)
+        return per * min(self.num_experts, max(1, budget // per))
 
 
 @dataclass(frozen=True)

@@ -104,12 +104,29 @@ class QuantFormat:
         raise NotImplementedError
 
     def quantize(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """w [out, in] (any float dtype) -> {suffix: tensor} as ``stored`` says (CPU, contiguous)."""
+        """w [out, in] (any float dtype) -> {suffix: tensor} as ``stored`` says (on w's device, contiguous)."""
         raise NotImplementedError
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """{suffix: tensor} of one weight -> W [out, in] in ``dtype`` (computed in float32)."""
         raise NotImplementedError
+
+    def dequantize_many(
+        self, parts: dict[str, torch.Tensor], dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """{suffix: tensor [g, ...]} of g weights (stacked on dim 0) -> [g, out, in] in ``dtype``, the
+        values ``dequantize`` gives each; written into ``out`` ([g, out, in], any strides) when given.
+
+        This one loops over the g weights; formats whose arithmetic broadcasts over a leading dim
+        override it with one pass over all g (what the GPU's grouped products read: a handful of
+        kernels for a chunk of experts instead of a few per expert)."""
+        g = next(iter(parts.values())).shape[0]
+        for e in range(g):
+            w = self.dequantize({k: t[e] for k, t in parts.items()}, dtype)
+            if out is None:
+                out = torch.empty(g, *w.shape, dtype=dtype, device=w.device)
+            out[e].copy_(w)
+        return out
 
     def quantization_config(self) -> dict:
         """The ``quantization_config`` of config.json for a checkpoint in this format."""
@@ -147,7 +164,7 @@ class Fp8Block(QuantFormat):
         b = FP8_BLOCK
         wf = w.float()
         rows, cols = -(-out // b), -(-inp // b)
-        padded = torch.zeros(rows * b, cols * b)
+        padded = torch.zeros(rows * b, cols * b, device=w.device)
         padded[:out, :inp] = wf
         blocks = padded.view(rows, b, cols, b)
         # one scale per block: its largest |w| maps to e4m3's largest finite value
@@ -171,6 +188,26 @@ class Fp8Block(QuantFormat):
         full = s.repeat_interleave(b, 0)[:out].repeat_interleave(b, 1)[:, :inp]
         return torch.mul(vals.view(out, inp), full, out=w)
 
+    def dequantize_many(self, parts, dtype, out=None):
+        q, s = parts["weight"], parts["weight_scale_inv"].float()
+        g, rows, inp = q.shape
+        b = FP8_BLOCK
+        if rows % b or inp % b:
+            return super().dequantize_many(parts, dtype, out)
+        if out is None:
+            out = torch.empty(g, rows, inp, dtype=dtype, device=q.device)
+        view = (g, rows // b, b, inp // b, b)
+        if q.device.type == "cuda":
+            # the GPU converts e4m3 exactly to any wider float (no table, no float32 copy); the
+            # product with the float32 scale is computed in float32 and rounded once, as above
+            out.copy_(q)
+            out.view(view).mul_(s[:, :, None, :, None])
+            return out
+        codes = q.contiguous().view(torch.uint8).reshape(-1).int()
+        vals = torch.index_select(_table("fp8", q.device), 0, codes)  # float32
+        torch.mul(vals.view(view), s[:, :, None, :, None], out=out.view(view))
+        return out
+
     def quantization_config(self):
         return {
             "quant_method": "fp8",
@@ -187,7 +224,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     codes = q.to(torch.int64) + 8  # offset encoding, 0..15
     words = -(-inp // 8)
     codes = torch.nn.functional.pad(codes, (0, words * 8 - inp), value=8).view(out, words, 8)
-    shifts = torch.arange(8, dtype=torch.int64) * 4
+    shifts = torch.arange(8, dtype=torch.int64, device=q.device) * 4
     packed = (codes << shifts).sum(-1)  # < 2^32: the same bits as a signed int32
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).contiguous()
 
@@ -208,7 +245,7 @@ class Int4Packed(QuantFormat):
         out, inp = w.shape
         g = INT4_GROUP
         groups = -(-inp // g)
-        padded = torch.zeros(out, groups * g)
+        padded = torch.zeros(out, groups * g, device=w.device)
         padded[:, :inp] = w.float()
         # compressed-tensors' symmetric scale: the group's largest |w| over half the code range (15/2)
         scale = (padded.view(out, groups, g).abs().amax(-1) / 7.5).clamp_min(1e-12).to(torch.bfloat16)
@@ -216,7 +253,7 @@ class Int4Packed(QuantFormat):
         return {
             "weight_packed": pack_int4(q.view(out, groups * g)[:, :inp]),
             "weight_scale": scale.contiguous(),
-            "weight_shape": torch.tensor([out, inp], dtype=torch.int64),
+            "weight_shape": torch.tensor([out, inp], dtype=torch.int64, device=w.device),
         }
 
     def dequantize(self, parts, dtype):
@@ -281,6 +318,13 @@ class Int8Channel(QuantFormat):
             q, parts["weight_scale"].float(), out=torch.empty(q.shape, dtype=dtype, device=q.device)
         )
 
+    def dequantize_many(self, parts, dtype, out=None):
+        # [g, out, in] int8 x [g, out, 1] float32 broadcasts: the one-weight arithmetic, batched
+        q = parts["weight"]
+        if out is None:
+            out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        return torch.mul(q, parts["weight_scale"].float(), out=out)
+
     def quantization_config(self):
         return {
             "quant_method": "compressed-tensors",
@@ -335,7 +379,7 @@ class Mxfp4(QuantFormat):
         exp = torch.ceil(torch.log2(amax / E2M1[-1])).nan_to_num(0, posinf=0, neginf=-E8M0_BIAS)
         exp = exp.clamp(-E8M0_BIAS, E8M0_BIAS)
         q = wf / torch.exp2(exp)[..., None]
-        mags = torch.tensor(E2M1)
+        mags = torch.tensor(E2M1, device=w.device)
         # nearest magnitude: count the midpoints between table entries that |q| exceeds
         idx = torch.bucketize(q.abs().clamp(max=E2M1[-1]).contiguous(), (mags[1:] + mags[:-1]) / 2)
         codes = (idx + 8 * q.signbit()).to(torch.uint8).view(out, inp // g, g // 2, 2)

@@ -2,9 +2,11 @@
 
 ``QuantizedExperts`` holds one fused expert parameter (``gate_up_proj`` [E, 2I, H] or
 ``down_proj`` [E, H, I]) as the stored tensors of its parts (gate and up for ``gate_up_proj``,
-each stacked over experts on dim 0, exactly the bytes of the files). The compute reads it one
-expert at a time: ``w[e]`` dequantizes expert e only, to [rows, cols] in the compute dtype, so a
-layer is never dequantized whole (a backend's temporary is one expert's bf16 weight).
+each stacked over experts on dim 0, exactly the bytes of the files). The CPU backends read it one
+expert at a time: ``w[e]`` dequantizes expert e only, to [rows, cols] in the compute dtype (a
+backend's temporary is one expert's bf16 weight); the GPU's grouped products read a bounded chunk
+of experts at once (``experts(lo, hi)``), so a layer is never dequantized whole unless it fits
+that bound.
 
 It answers what the backends ask of a fused tensor (``shape``, ``dtype``: the compute dtype,
 ``device``, ``[e]`` with an int) and nothing else: any other indexing raises, so code that
@@ -87,6 +89,21 @@ class QuantizedExperts:
         ws = [self.fmt.dequantize({k: t[e] for k, t in p.items()}, dt) for p in self.parts]
         w = ws[0] if len(ws) == 1 else torch.cat(ws, 0)
         return w.t() if self.transposed else w
+
+    def experts(self, lo: int, hi: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Experts lo..hi-1 dequantized at once: [hi - lo, rows, cols] in ``dtype`` (default
+        ``self.dtype``), each part written into its rows of one buffer (``QuantFormat.dequantize_many``);
+        the [hi - lo, cols, rows] transposed view when ``transposed``. For the GPU's grouped products,
+        which take a chunk of experts this way (``kernels/grouped_device.py``: the chunk's size bounded
+        by ``KT_FT_DEQUANT_CHUNK_MIB``)."""
+        dt = dtype or self.dtype
+        rows = sum(self.part_rows)
+        w = torch.empty(hi - lo, rows, self.cols, dtype=dt, device=self.device)
+        r = 0
+        for p, n in zip(self.parts, self.part_rows, strict=True):
+            self.fmt.dequantize_many({k: t[lo:hi] for k, t in p.items()}, dt, out=w[:, r : r + n])
+            r += n
+        return w.transpose(1, 2) if self.transposed else w
 
     def like(self, parts: list[dict[str, torch.Tensor]]) -> QuantizedExperts:
         """The same weight's description (format, rows, cols, dtype, orientation) over other stored
