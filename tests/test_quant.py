@@ -504,6 +504,40 @@ def test_the_planner_counts_quantized_experts_as_stored(tiny_ckpts):
     assert shape.expert_bytes < 3 * shape.hidden * shape.inter * 2 * 0.6  # int4: ~0.56 of bf16
 
 
+def test_the_estimate_of_a_run_counts_loaded_quantized_experts_as_stored(tiny_ckpts, tmp_path):
+    """placement: auto in a run estimates the GPU's share from the loaded model, whose quantized
+    experts hold their weights in stored tensors, not parameters: the estimate's expert bytes are
+    those tensors', i.e. the dequantized model's minus what dequantizing added."""
+    from transformers import AutoConfig
+
+    from kt_ft.moe.loading import planned_device_map
+    from kt_ft.rules import load_rules, resolve_rule_path
+    from kt_ft.rules.report import TrainSizes, estimate
+
+    plain = tmp_path / "fp32"
+    dequantize_checkpoint(tiny_ckpts / "int8", plain, "fp32")
+    rules = load_rules(resolve_rule_path("deepseek_v3"))
+    cpu_params = {}
+    for name, path in (("int8", tiny_ckpts / "int8"), ("fp32", plain)):
+        model, _ = _load(path, "torch")
+        config = AutoConfig.from_pretrained(path)
+        take_quantization_config(config)
+        _, plan = planned_device_map(config, rules, FAMILIES["deepseek_v3"], "torch", 1, "cpu")
+        report = estimate(model, plan, torch.float32, TrainSizes(16, 1, 4))
+        cpu_params[name] = report["devices"]["cpu"]["param_bytes"]
+    model, _ = _load(tiny_ckpts / "int8", "torch")
+    layers = [m.mlp.experts for m in model.model.layers[1:]]
+    stored = sum(m.gate_up_proj.nbytes() + m.down_proj.nbytes() for m in layers)
+    dense = sum(
+        3 * m.num_experts * model.config.hidden_size * model.config.moe_intermediate_size * 4 for m in layers
+    )
+    assert abs((cpu_params["fp32"] - cpu_params["int8"]) - (dense - stored)) <= 16, (
+        cpu_params,
+        dense,
+        stored,
+    )
+
+
 # --- linear layers kept quantized (DeepSeek-V3's FP8 attention and MLPs) -------------------------
 
 

@@ -186,7 +186,7 @@ def write_quantized(model_dir: Path, fmt: str) -> Path:
     time; quantized on the GPU when there is one). Returns that directory."""
     import torch
 
-    from ..export.quantize import quantize_checkpoint
+    from ..export.quantize import quantize_checkpoint  # why: torch loads only in the child that quantizes
 
     out = model_dir.parent / f"model-{fmt}"
     shutil.rmtree(out, ignore_errors=True)

@@ -49,6 +49,7 @@ from ..log import fmt_bytes
 from ..models import layer_index, lm_loss, unwrap_peft
 from ..placement.cost import STREAM_BUFFERS, LayerShape
 from ..placement.homes import lora_home
+from ..quant.weights import is_quantized
 from ..settings import enabled
 from .plan import PlacementPlan
 
@@ -247,13 +248,20 @@ def estimate(
     for e in plan.experts:
         num, hidden, inter = _expert_dims(model, e)
         on_gpu = _resident_count(e)
-        per_expert = expert_numel[e.name] * elt // num
-        if expert_format is not None:
+        mod = model.get_submodule(e.name)
+        gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if is_quantized(gu) and is_quantized(dn):
+            # experts kt-ft loaded quantized (a run's placement: auto): their stored tensors, and the
+            # module's parameters (gpt_oss's biases) as held
+            per_expert = (gu.nbytes() + dn.nbytes() + expert_numel.get(e.name, 0) * elt) // num
+        elif expert_format is not None:
             # the three weights as stored, the rest of the module (gpt_oss's biases) in the load dtype
             rest = expert_numel[e.name] // num - 3 * inter * hidden
             per_expert = (
                 2 * expert_format.nbytes(inter, hidden) + expert_format.nbytes(hidden, inter) + rest * elt
             )
+        else:
+            per_expert = expert_numel[e.name] * elt // num
         dev(_device(e.device))["param_bytes"] += per_expert * num  # resident ones too: a copy goes to the GPU
         if on_gpu:
             dev(train_dev)["param_bytes"] += per_expert * on_gpu
