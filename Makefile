@@ -15,6 +15,8 @@ export DISABLE_VERSION_CHECK := 0
 DEMO_DIR ?= demo
 DEMO_VL_DIR ?= demo_vl
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: one process); every test is independent of the others'
+PYTEST_WORKERS ?= 2
 
 .PHONY: install demo demo-vl test test-fast lint format clean-demo
 
@@ -45,11 +47,11 @@ demo-vl: install $(DEMO_VL_DIR)/model/config.json
 
 # pytest exits 5 when it collected no tests: that is a failure here, not a pass.
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 # The suite without the LLaMA-Factory training subprocesses (DDP, FSDP2, resume, CLI runs, e2e bench).
 test-fast: install
-	$(BIN)/python -m pytest -m "not lf_subprocess and not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not lf_subprocess and not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 lint: install
 	$(BIN)/ruff check kt_ft tests scripts hatch_build.py

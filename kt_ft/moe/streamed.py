@@ -41,7 +41,8 @@ Layout. A buffer is bytes: a layer's block holds each stored tensor of its strea
 weights and biases; for experts kept quantized, ``kt_ft.quant``, their stored tensors: FP8 or
 INT4 codes and their scales), rows in the order of the ids, each tensor starting at a multiple
 of ``_ALIGN`` bytes and viewed in its own dtype. So quantized experts cross the link in their
-stored bytes and are dequantized on the device, one expert at a time, by the products.
+stored bytes and are dequantized on the device by the products, a bounded chunk of experts at a
+time (``KT_FT_DEQUANT_CHUNK_MIB``, ``kernels/grouped_device.py``).
 """
 
 from __future__ import annotations
