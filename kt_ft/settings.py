@@ -70,9 +70,10 @@ _ALL = (
     ),
     Setting(
         "KT_FT_DEQUANT_CHUNK_MIB",
-        "256",
+        "1024",
         "MiB of experts kept quantized (fp8, int8, ...) that GPU experts dequantize at once for one grouped "
-        "product (a chunk of experts; at least one expert); the GPU memory plan counts it",
+        "product (a chunk of experts; at least one expert; a whole layer in one chunk needs no host sync); "
+        "the GPU memory plan counts it",
     ),
     Setting(
         "KT_FT_LORA_BMM",

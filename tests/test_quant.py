@@ -66,6 +66,51 @@ def test_dequantize_matches_the_plain_twin(fmt):
         assert f.nbytes(*shape) == sum(t.numel() * t.element_size() for t in parts.values())
 
 
+@pytest.mark.parametrize("dequantizer", ["native", "torch"])
+def test_fp8_cpu_dequantizers_match_the_plain_twin(dequantizer, monkeypatch):
+    """On the CPU FP8 weights are dequantized by kt-ft's C++ kernel (``kernels/dequant.cpp``) where
+    the library loads, else by torch bit arithmetic: each == the plain twin, bitwise (NaN where
+    the twin has NaN), one weight and several at once, bf16 and fp32, every code present, a shape
+    that does not divide into blocks too."""
+    from kt_ft.kernels import native
+    from kt_ft.quant import formats
+
+    if dequantizer == "native" and native.unavailable_reason():
+        pytest.skip(f"native library unavailable: {native.unavailable_reason()}")
+    monkeypatch.setattr(
+        formats, "_NATIVE_FP8", [native.dequant_fp8_block if dequantizer == "native" else None]
+    )
+    print(f"seed {SEED}")
+    f = FORMATS["fp8"]
+    gen = torch.Generator().manual_seed(SEED)
+    for shape in [(256, 384), (100, 70)]:
+        parts = [f.quantize((torch.randn(shape, generator=gen) * 0.02).bfloat16()) for _ in range(3)]
+        parts[0]["weight"].view(torch.uint8).view(-1)[:256] = torch.arange(256, dtype=torch.int32).to(
+            torch.uint8
+        )
+        for dtype in (torch.bfloat16, torch.float32):
+            want = [R.dequantize("fp8", p).to(dtype) for p in parts]
+            for got, w in zip([f.dequantize(p, dtype) for p in parts], want, strict=True):
+                assert torch.equal(got.isnan(), w.isnan()) and torch.equal(got.nan_to_num(), w.nan_to_num())
+            if shape[0] % 128 == 0:
+                many = f.dequantize_many({k: torch.stack([p[k] for p in parts]) for k in parts[0]}, dtype)
+                assert torch.equal(many.nan_to_num(), torch.stack(want).nan_to_num())
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_e4m3_bits_as_half_are_the_values_over_256(device):
+    """Every one of the 256 e4m3 codes (subnormals, both zeros, the largest, NaN): the float16 of
+    the bit arithmetic times 256 == torch's own conversion to float32; NaN codes give NaN."""
+    from kt_ft.quant.formats import E4M3_HALF_SCALE, e4m3_as_half
+
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(device)
+    got = e4m3_as_half(q).float() * E4M3_HALF_SCALE
+    want = q.float()
+    nan = want.isnan()
+    assert nan.sum().item() == 2 and got[nan].isnan().all()
+    assert torch.equal(got[~nan], want[~nan])
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_dequantize_many_is_each_weight_dequantized(fmt, device):
@@ -146,7 +191,9 @@ def test_the_plan_counts_the_dequantized_chunk(monkeypatch):
     gate_up = 2 * 768 * 2048 * 2
     assert dense.dequant_bytes() == 0
     assert quant.gpu_act_bytes(16384) - dense.gpu_act_bytes(16384) == quant.dequant_bytes()
-    assert quant.dequant_bytes() == (256 * MiB // gate_up) * gate_up  # 42 experts of the default 256 MiB
+    assert quant.dequant_bytes() == 128 * gate_up  # the default 1024 MiB holds this layer
+    monkeypatch.setenv("KT_FT_DEQUANT_CHUNK_MIB", "256")
+    assert quant.dequant_bytes() == (256 * MiB // gate_up) * gate_up  # 42 experts of 256 MiB
     monkeypatch.setenv("KT_FT_DEQUANT_CHUNK_MIB", "1")
     assert quant.dequant_bytes() == gate_up  # at least one expert
     monkeypatch.setenv("KT_FT_DEQUANT_CHUNK_MIB", "100000")

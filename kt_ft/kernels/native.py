@@ -4,7 +4,9 @@ to bf16 before multiplying: ``ROUNDS_TO_BF16``).
 
 * ``gemm_bf16_nt(x, w, out, beta)``: out[M, N] = beta * out + x[M, K] @ w[N, K]^T (forward);
 * ``gemm_bf16_nn(dy, w, out, beta)``: out[M, K] = beta * out + dy[M, N] @ w[N, K] (backward);
-* ``grouped_bf16(...)``: one product per expert over row ranges of shared buffers, one call.
+* ``grouped_bf16(...)``: one product per expert over row ranges of shared buffers, one call;
+* ``dequant_fp8_block(q, scale, out)``: block-scaled FP8 expert weights to bf16 / fp32
+  (``kernels/dequant.cpp``; ``kt_ft.quant.formats`` calls it for weights kept quantized).
 
 The library is looked for, in order: the one built at install (``_native/`` beside this file;
 in a source tree only if built from the current sources), then the per-user cache
@@ -66,6 +68,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ktft_grouped_gemm_bf16.argtypes = [
         *(_int, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64),
         *(_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _f32, _int, _int),
+    ]
+    lib.ktft_dequant_fp8_block.restype = _int
+    lib.ktft_dequant_fp8_block.argtypes = [
+        *(_i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _int, _int)
     ]
     return lib
 
@@ -251,6 +257,38 @@ def grouped_bf16(
         out.data_ptr(), out.stride(0), beta, _threads(threads), _isa(isa),
     )  # fmt: skip
     _call_status(code, isa)
+    return out
+
+
+def dequant_fp8_block(
+    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block: int, threads: int | None = None
+) -> torch.Tensor:
+    """out[e] = value(q[e]) * scale[e] per ``block`` x ``block`` tile, computed in fp32 and rounded
+    once to out's dtype. q float8_e4m3fn [G, R, C] (or [R, C]), scale fp32 [G, ceil(R/block),
+    ceil(C/block)], out bf16 or fp32 shaped like q; rows contiguous in all three (any row and
+    expert strides). Returns out."""
+    if q.dim() == 2:
+        dequant_fp8_block(q[None], scale[None], out[None], block, threads)
+        return out
+    if (
+        q.dtype != torch.float8_e4m3fn
+        or scale.dtype != torch.float32
+        or out.dtype not in (torch.bfloat16, torch.float32)
+    ):
+        raise TypeError(f"native fp8 dequantize: q, scale, out dtypes {q.dtype}, {scale.dtype}, {out.dtype}")
+    g, r, c = q.shape
+    want = (g, -(-r // block), -(-c // block))
+    if tuple(scale.shape) != want or tuple(out.shape) != (g, r, c) or q.dim() != 3:
+        raise ValueError(
+            f"native fp8 dequantize: q {tuple(q.shape)}, scale {tuple(scale.shape)} (want {want}), out {tuple(out.shape)}"
+        )
+    if any(t.device.type != "cpu" or (t.shape[2] > 1 and t.stride(2) != 1) for t in (q, scale, out)):
+        raise ValueError("native fp8 dequantize: CPU tensors with contiguous rows")
+    library().ktft_dequant_fp8_block(
+        g, r, c, block, q.data_ptr(), q.stride(1), q.stride(0), scale.data_ptr(), scale.stride(1),
+        scale.stride(0), out.data_ptr(), out.stride(1), out.stride(0), int(out.dtype == torch.float32),
+        _threads(threads),
+    )  # fmt: skip
     return out
 
 
