@@ -128,6 +128,8 @@ def test_dequantize_many_is_each_weight_dequantized(fmt, device):
         buf = torch.zeros(3, shape[0] + 5, shape[1], dtype=torch.bfloat16, device=device)
         f.dequantize_many(stacked, torch.bfloat16, out=buf[:, 5:])
         assert torch.equal(buf[:, 5:], want) and not buf[:, :5].any(), (fmt, shape)
+        one = f.dequantize({k: t[1] for k, t in stacked.items()}, torch.bfloat16)  # on the device too
+        assert torch.equal(one, want[1]), (fmt, shape)
 
 
 @pytest.mark.parametrize("fmt", PER_EXPERT_FORMATS)
