@@ -252,7 +252,8 @@ def estimate(
         gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
         if is_quantized(gu) and is_quantized(dn):
             # experts kt-ft loaded quantized (a run's placement: auto): their stored tensors, and the
-            # module's parameters (gpt_oss's biases) as held
+            # module's parameters as held (gpt_oss's biases; in a run also the expert LoRA, which
+            # the dense branch counts here the same way)
             per_expert = (gu.nbytes() + dn.nbytes() + expert_numel.get(e.name, 0) * elt) // num
         elif expert_format is not None:
             # the three weights as stored, the rest of the module (gpt_oss's biases) in the load dtype
