@@ -14,8 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <thread>
-#include <vector>
+
+#include "team.h"
 
 namespace {
 
@@ -48,13 +48,7 @@ struct Values {
 };
 const Values kValues;
 
-template <class F>
-void team(int threads, F&& worker) {
-    std::vector<std::thread> pool;
-    for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-    worker();
-    for (auto& t : pool) t.join();
-}
+using ktft::team;
 
 template <class T>
 void tile(const uint8_t* q, int64_t ldq, T* out, int64_t ldo, int64_t r0, int64_t r1, int64_t c0, int64_t c1,

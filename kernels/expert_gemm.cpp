@@ -38,6 +38,8 @@
 #include <thread>
 #include <vector>
 
+#include "team.h"
+
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -759,14 +761,7 @@ AMX void gemm_amx_nn(const Gemm& g, int64_t n0, int64_t n1, AmxScratch& sc, bf16
 
 // ---------------------------------------------------------------- threads and work items
 
-// Runs worker() on `threads` threads (the caller's one of them) and waits for all.
-template <class F>
-void team(int threads, F&& worker) {
-    std::vector<std::thread> pool;
-    for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-    worker();
-    for (auto& t : pool) t.join();
-}
+using ktft::team;
 
 bool rounds_a(int isa) { return isa == ISA_AVX512BF16 || isa == ISA_AMX; }
 

@@ -28,12 +28,12 @@ def sources(src_dir: Path = SOURCE_DIR) -> list[Path]:
 
 
 def source_hash(src_dir: Path = SOURCE_DIR) -> str | None:
-    """sha256 (16 hex) of the sources and flags, or None without sources."""
+    """sha256 (16 hex) of the sources, the headers they include and the flags, or None without sources."""
     files = sources(src_dir)
     if not files:
         return None
     h = hashlib.sha256(" ".join(FLAGS).encode())
-    for f in files:
+    for f in files + sorted(src_dir.glob("*.h")):
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:16]
 
