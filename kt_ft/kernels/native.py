@@ -276,9 +276,11 @@ def dequant_fp8_block(
         or out.dtype not in (torch.bfloat16, torch.float32)
     ):
         raise TypeError(f"native fp8 dequantize: q, scale, out dtypes {q.dtype}, {scale.dtype}, {out.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"native fp8 dequantize: q must be [G, R, C] or [R, C], got {tuple(q.shape)}")
     g, r, c = q.shape
     want = (g, -(-r // block), -(-c // block))
-    if tuple(scale.shape) != want or tuple(out.shape) != (g, r, c) or q.dim() != 3:
+    if tuple(scale.shape) != want or tuple(out.shape) != (g, r, c):
         raise ValueError(
             f"native fp8 dequantize: q {tuple(q.shape)}, scale {tuple(scale.shape)} (want {want}), out {tuple(out.shape)}"
         )

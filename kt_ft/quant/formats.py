@@ -58,10 +58,9 @@ def _build_table(kind: str) -> torch.Tensor:
 
 
 def _table(kind: str, device: torch.device) -> torch.Tensor:
-    """Lookup tables, one per device: ``int4``
-    [256, 2] float32 (byte -> the codes of its low and high nibble, minus the offset 8), ``e2m1``
-    [256, 2] float32 (byte -> the fp4 values of its low and high nibble), ``e8m0`` [256] float32
-    (byte -> 2^(byte - 127))."""
+    """Lookup tables, one per device: ``int4`` [256, 2] float32 (byte -> the codes of its low and
+    high nibble, minus the offset 8), ``e2m1`` [256, 2] float32 (byte -> the fp4 values of its low
+    and high nibble), ``e8m0`` [256] float32 (byte -> 2^(byte - 127))."""
     key = (kind, device)
     t = _TABLES.get(key)
     if t is None:
@@ -152,10 +151,12 @@ E4M3_HALF_SCALE = 256.0  # e4m3_as_half's values times this are the e4m3 values
 _NATIVE_FP8: list = []  # [the native dequantizer or None], looked up once a process
 
 
-def _native_fp8():
+def _native_fp8(q: torch.Tensor, dtype: torch.dtype):
     """kt-ft's C++ FP8 dequantizer (``kernels/dequant.cpp``, ~5x the torch bit arithmetic on 2
-    AVX2 cores, bitwise the same), or None where the native library is not available (logged
-    once, with why)."""
+    AVX2 cores, bitwise the same) for codes ``q`` to ``dtype``: None off the CPU, for another
+    dtype than bf16 / fp32, or where the native library is not available (logged once, with why)."""
+    if q.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return None
     if not _NATIVE_FP8:
         from ..kernels import native  # why: kt_ft.kernels imports kt_ft.quant (a module-level cycle)
 
@@ -211,8 +212,9 @@ class Fp8Block(QuantFormat):
         q, s = parts["weight"], parts["weight_scale_inv"].float()
         out, inp = q.shape
         b = FP8_BLOCK
-        if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and _native_fp8() is not None:
-            return _native_fp8()(q, s, torch.empty(out, inp, dtype=dtype), b)
+        native = _native_fp8(q, dtype)
+        if native is not None:
+            return native(q, s, torch.empty(out, inp, dtype=dtype), b)
         if q.device.type == "cuda" and out % b == 0 and inp % b == 0:  # two kernels (dequantize_many)
             return self.dequantize_many({k: t[None] for k, t in parts.items()}, dtype)[0]
         vals, s = e4m3_as_half(q), s * E4M3_HALF_SCALE  # [out, in] float16: the values / 256
@@ -229,13 +231,14 @@ class Fp8Block(QuantFormat):
         q, s = parts["weight"], parts["weight_scale_inv"].float()
         g, rows, inp = q.shape
         b = FP8_BLOCK
+        native = _native_fp8(q, dtype)
+        if native is not None:  # any shape: partial blocks too
+            return native(q, s, torch.empty(g, rows, inp, dtype=dtype) if out is None else out, b)
         if rows % b or inp % b:
             return super().dequantize_many(parts, dtype, out)
         if out is None:
             out = torch.empty(g, rows, inp, dtype=dtype, device=q.device)
         view = (g, rows // b, b, inp // b, b)
-        if q.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and _native_fp8() is not None:
-            return _native_fp8()(q, s, out, b)
         if q.device.type == "cuda":
             # the GPU converts e4m3 exactly to any wider float (no table, no float32 copy); the
             # product with the float32 scale is computed in float32 and rounded once, as above
