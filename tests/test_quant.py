@@ -565,15 +565,15 @@ def test_the_estimate_of_a_run_counts_loaded_quantized_experts_as_stored(tiny_ck
     plain = tmp_path / "fp32"
     dequantize_checkpoint(tiny_ckpts / "int8", plain, "fp32")
     rules = load_rules(resolve_rule_path("deepseek_v3"))
-    cpu_params = {}
+    cpu_params, models = {}, {}
     for name, path in (("int8", tiny_ckpts / "int8"), ("fp32", plain)):
-        model, _ = _load(path, "torch")
+        model = models[name] = _load(path, "torch")[0]
         config = AutoConfig.from_pretrained(path)
         take_quantization_config(config)
         _, plan = planned_device_map(config, rules, FAMILIES["deepseek_v3"], "torch", 1, "cpu")
         report = estimate(model, plan, torch.float32, TrainSizes(16, 1, 4))
         cpu_params[name] = report["devices"]["cpu"]["param_bytes"]
-    model, _ = _load(tiny_ckpts / "int8", "torch")
+    model = models["int8"]
     layers = [m.mlp.experts for m in model.model.layers[1:]]
     stored = sum(m.gate_up_proj.nbytes() + m.down_proj.nbytes() for m in layers)
     dense = sum(
