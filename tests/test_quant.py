@@ -67,21 +67,20 @@ def test_dequantize_matches_the_plain_twin(fmt):
 
 
 @pytest.mark.parametrize("dequantizer", ["native", "torch"])
-def test_fp8_cpu_dequantizers_match_the_plain_twin(dequantizer, monkeypatch):
-    """On the CPU FP8 weights are dequantized by kt-ft's C++ kernel (``kernels/dequant.cpp``) where
-    the library loads, else by torch bit arithmetic: each == the plain twin, bitwise (NaN where
-    the twin has NaN), one weight and several at once, bf16 and fp32, every code present, a shape
-    that does not divide into blocks too."""
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_cpu_dequantizers_match_the_plain_twin(fmt, dequantizer, monkeypatch):
+    """On the CPU FP8 and INT8 weights are dequantized by kt-ft's C++ kernels (``kernels/dequant.cpp``)
+    where the library loads, else by torch: each == the plain twin, bitwise (NaN where the twin has
+    NaN), one weight and several at once, bf16 and fp32, every code present, a shape that does not
+    divide into FP8 blocks too."""
     from kt_ft.kernels import native
     from kt_ft.quant import formats
 
     if dequantizer == "native" and native.unavailable_reason():
         pytest.skip(f"native library unavailable: {native.unavailable_reason()}")
-    monkeypatch.setattr(
-        formats, "_NATIVE_FP8", [native.dequant_fp8_block if dequantizer == "native" else None]
-    )
+    monkeypatch.setattr(formats, "_NATIVE", {True: native if dequantizer == "native" else None})
     print(f"seed {SEED}")
-    f = FORMATS["fp8"]
+    f = FORMATS[fmt]
     gen = torch.Generator().manual_seed(SEED)
     for shape in [(256, 384), (100, 70)]:
         parts = [f.quantize((torch.randn(shape, generator=gen) * 0.02).bfloat16()) for _ in range(3)]
@@ -89,7 +88,7 @@ def test_fp8_cpu_dequantizers_match_the_plain_twin(dequantizer, monkeypatch):
             torch.uint8
         )
         for dtype in (torch.bfloat16, torch.float32):
-            want = [R.dequantize("fp8", p).to(dtype) for p in parts]
+            want = [R.dequantize(fmt, p).to(dtype) for p in parts]
             for got, w in zip([f.dequantize(p, dtype) for p in parts], want, strict=True):
                 assert torch.equal(got.isnan(), w.isnan()) and torch.equal(got.nan_to_num(), w.nan_to_num())
             many = f.dequantize_many({k: torch.stack([p[k] for p in parts]) for k in parts[0]}, dtype)

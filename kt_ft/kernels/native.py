@@ -5,8 +5,9 @@ to bf16 before multiplying: ``ROUNDS_TO_BF16``).
 * ``gemm_bf16_nt(x, w, out, beta)``: out[M, N] = beta * out + x[M, K] @ w[N, K]^T (forward);
 * ``gemm_bf16_nn(dy, w, out, beta)``: out[M, K] = beta * out + dy[M, N] @ w[N, K] (backward);
 * ``grouped_bf16(...)``: one product per expert over row ranges of shared buffers, one call;
-* ``dequant_fp8_block(q, scale, out)``: block-scaled FP8 expert weights to bf16 / fp32
-  (``kernels/dequant.cpp``; ``kt_ft.quant.formats`` calls it for weights kept quantized).
+* ``dequant_fp8_block(q, scale, out)``, ``dequant_int8_rows(q, scale, out)``: block-scaled FP8 /
+  per-channel INT8 expert weights to bf16 / fp32 (``kernels/dequant.cpp``; ``kt_ft.quant.formats``
+  calls them for weights kept quantized).
 
 The library is looked for, in order: the one built at install (``_native/`` beside this file;
 in a source tree only if built from the current sources), then the per-user cache
@@ -72,6 +73,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ktft_dequant_fp8_block.restype = _int
     lib.ktft_dequant_fp8_block.argtypes = [
         *(_i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _int, _int)
+    ]
+    lib.ktft_dequant_int8_rows.restype = _int
+    lib.ktft_dequant_int8_rows.argtypes = [
+        *(_i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _int, _int)
     ]
     return lib
 
@@ -290,6 +295,41 @@ def dequant_fp8_block(
         g, r, c, block, q.data_ptr(), q.stride(1), q.stride(0), scale.data_ptr(), scale.stride(1),
         scale.stride(0), out.data_ptr(), out.stride(1), out.stride(0), int(out.dtype == torch.float32),
         _threads(threads),
+    )  # fmt: skip
+    return out
+
+
+def dequant_int8_rows(
+    q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, threads: int | None = None
+) -> torch.Tensor:
+    """out[e] = q[e] * scale[e] (one scale per row), computed in fp32 and rounded once to out's
+    dtype. q int8 [G, R, C] (or [R, C]), scale fp32 [G, R, 1], out bf16 or fp32 shaped like q;
+    rows contiguous in q and out (any row and expert strides). Returns out."""
+    if q.dim() == 2:
+        dequant_int8_rows(q[None], scale[None], out[None], threads)
+        return out
+    if (
+        q.dtype != torch.int8
+        or scale.dtype != torch.float32
+        or out.dtype not in (torch.bfloat16, torch.float32)
+    ):
+        raise TypeError(f"native int8 dequantize: q, scale, out dtypes {q.dtype}, {scale.dtype}, {out.dtype}")
+    if q.dim() != 3:
+        raise ValueError(f"native int8 dequantize: q must be [G, R, C] or [R, C], got {tuple(q.shape)}")
+    g, r, c = q.shape
+    if tuple(scale.shape) != (g, r, 1) or tuple(out.shape) != (g, r, c):
+        raise ValueError(
+            f"native int8 dequantize: q {tuple(q.shape)}, scale {tuple(scale.shape)} (want {(g, r, 1)}), "
+            f"out {tuple(out.shape)}"
+        )
+    if (
+        any(t.device.type != "cpu" or (c > 1 and t.stride(2) != 1) for t in (q, out))
+        or scale.device.type != "cpu"
+    ):
+        raise ValueError("native int8 dequantize: CPU tensors with contiguous rows")
+    library().ktft_dequant_int8_rows(
+        g, r, c, q.data_ptr(), q.stride(1), q.stride(0), scale.data_ptr(), scale.stride(1), scale.stride(0),
+        out.data_ptr(), out.stride(1), out.stride(0), int(out.dtype == torch.float32), _threads(threads),
     )  # fmt: skip
     return out
 

@@ -148,25 +148,28 @@ class QuantFormat:
 
 
 E4M3_HALF_SCALE = 256.0  # e4m3_as_half's values times this are the e4m3 values
-_NATIVE_FP8: list = []  # [the native dequantizer or None], looked up once a process
+_NATIVE: dict = {}  # {True: the native library module, False: none (why was logged)}: looked up once
 
 
-def _native_fp8(q: torch.Tensor, dtype: torch.dtype):
-    """kt-ft's C++ FP8 dequantizer (``kernels/dequant.cpp``, ~5x the torch bit arithmetic on 2
-    AVX2 cores, bitwise the same) for codes ``q`` to ``dtype``: None off the CPU, for another
-    dtype than bf16 / fp32, or where the native library is not available (logged once, with why)."""
+def _native(q: torch.Tensor, dtype: torch.dtype, name: str):
+    """kt-ft's C++ dequantizer ``name`` (``kernels/dequant.cpp``: ``dequant_fp8_block`` ~5x the
+    torch bit arithmetic for FP8, ``dequant_int8_rows`` ~15x torch's int8 x float32 product written
+    to bf16, on 2 AVX2 cores; both bitwise the same as the torch twins) for codes ``q`` to ``dtype``:
+    None off the CPU, for another dtype than bf16 / fp32, or where the native library is not
+    available (logged once, with why)."""
     if q.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
-    if not _NATIVE_FP8:
+    if not _NATIVE:
         from ..kernels import native  # why: kt_ft.kernels imports kt_ft.quant (a module-level cycle)
 
         why = native.unavailable_reason()
-        _NATIVE_FP8.append(None if why else native.dequant_fp8_block)
+        _NATIVE[True] = None if why else native
         if why:
             get_logger(__name__).info(
-                f"fp8 weights are dequantized on the CPU by torch, not kt-ft's native kernel: {why}"
+                f"quantized weights are dequantized on the CPU by torch, not kt-ft's native kernels: {why}"
             )
-    return _NATIVE_FP8[0]
+    lib = _NATIVE[True]
+    return None if lib is None else getattr(lib, name)
 
 
 def e4m3_as_half(q: torch.Tensor) -> torch.Tensor:
@@ -212,7 +215,7 @@ class Fp8Block(QuantFormat):
         q, s = parts["weight"], parts["weight_scale_inv"].float()
         out, inp = q.shape
         b = FP8_BLOCK
-        native = _native_fp8(q, dtype)
+        native = _native(q, dtype, "dequant_fp8_block")
         if native is not None:
             return native(q, s, torch.empty(out, inp, dtype=dtype), b)
         if q.device.type == "cuda" and out % b == 0 and inp % b == 0:  # two kernels (dequantize_many)
@@ -231,7 +234,7 @@ class Fp8Block(QuantFormat):
         q, s = parts["weight"], parts["weight_scale_inv"].float()
         g, rows, inp = q.shape
         b = FP8_BLOCK
-        native = _native_fp8(q, dtype)
+        native = _native(q, dtype, "dequant_fp8_block")
         if native is not None:  # any shape: partial blocks too
             return native(q, s, torch.empty(g, rows, inp, dtype=dtype) if out is None else out, b)
         if rows % b or inp % b:
@@ -352,18 +355,18 @@ class Int8Channel(QuantFormat):
         return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
 
     def dequantize(self, parts, dtype):
-        q = parts["weight"]
-        # int8 x float32 computes in float32 and writes ``dtype``: one pass
-        return torch.mul(
-            q, parts["weight_scale"].float(), out=torch.empty(q.shape, dtype=dtype, device=q.device)
-        )
+        return self.dequantize_many({k: t[None] for k, t in parts.items()}, dtype)[0]
 
     def dequantize_many(self, parts, dtype, out=None):
-        # [g, out, in] int8 x [g, out, 1] float32 broadcasts: the one-weight arithmetic, batched
-        q = parts["weight"]
+        # [g, out, in] int8 x [g, out, 1] float32: computed in float32, written to ``dtype`` (one
+        # rounding), by the native kernel on the CPU (same bits) or one torch product
+        q, s = parts["weight"], parts["weight_scale"].float()
         if out is None:
             out = torch.empty(q.shape, dtype=dtype, device=q.device)
-        return torch.mul(q, parts["weight_scale"].float(), out=out)
+        native = _native(q, dtype, "dequant_int8_rows")
+        if native is not None:
+            return native(q, s, out)
+        return torch.mul(q, s, out=out)
 
     def quantization_config(self):
         return {
