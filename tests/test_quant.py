@@ -453,25 +453,28 @@ def test_training_matches_the_dequantized_model(tiny_ckpts, tmp_path, fmt):
         _assert_grads(got, want, model, backend)
 
 
-def test_experts_are_dequantized_one_at_a_time(tiny_ckpts):
-    """During a forward + backward of the torch backend, every dequantization is one expert's
-    projection ([I, H] or [H, I]); indexing a whole layer raises."""
+def test_experts_are_dequantized_a_bounded_chunk_at_a_time(tiny_ckpts, monkeypatch):
+    """During a forward + backward of the torch backend, every dequantization is of at most
+    ``CPU_DEQUANT_CHUNK_BYTES`` of consecutive experts (here two experts' worth: each call's
+    [n, rows, cols] has n <= 2 and one projection's rows and cols), experts with rows only; indexing
+    a whole layer raises."""
+    from kt_ft.kernels import grouped
+
     model, _ = _load(tiny_ckpts / "int8", "torch", torch.bfloat16)
     f = FORMATS["int8"]
+    monkeypatch.setattr(grouped, "CPU_DEQUANT_CHUNK_BYTES", 2 * 64 * 32 * 2)  # two [64, 32] bf16 experts
     shapes = []
-    orig = f.dequantize
+    orig = f.dequantize_many
 
-    def record(parts, dtype):
-        w = orig(parts, dtype)
+    def record(parts, dtype, out=None):
+        w = orig(parts, dtype, out)
         shapes.append(tuple(w.shape))
         return w
 
-    f.dequantize = record
-    try:
-        _loss_and_grads(model)
-    finally:
-        f.dequantize = orig
-    assert shapes and set(shapes) <= {(32, 64), (64, 32)}, set(shapes)
+    monkeypatch.setattr(f, "dequantize_many", record)
+    _loss_and_grads(model)
+    assert shapes and {s[1:] for s in shapes} <= {(32, 64), (64, 32)}, set(shapes)
+    assert max(s[0] for s in shapes) == 2, set(shapes)
     qe = model.model.layers[1].mlp.experts.gate_up_proj
     with pytest.raises(TypeError, match="one expert at a time"):
         qe[0:2]

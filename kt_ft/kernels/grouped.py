@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..quant.weights import is_quantized
 from .base import ExpertBackend, ExpertWeights, LoraTensors, accum_dtype
 from .grouped_layout import ROW_PAD, _Group, _Layout, _route_layout, _zero_null_rows
 from .grouped_variant import variant_backward, variant_forward
@@ -63,6 +64,10 @@ class _Workspace:
 
 
 _WS = _Workspace()
+# experts kept quantized are dequantized this many bytes (in the compute dtype) at a time at most:
+# large enough that a dequantizer call's fixed cost is small against its work (Qwen3-30B-A3B's
+# gate_up: ten experts a call), small enough to stay a minor part of a layer's temporaries
+CPU_DEQUANT_CHUNK_BYTES = 64 * 2**20
 
 
 class _SavedBuffers:
@@ -132,25 +137,51 @@ class GroupedTorchBackend(ExpertBackend):
 
     def _gate_up(self, layout: _Layout, base: ExpertWeights, xs: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows of e] = xs[rows of e] @ gate_up[e]^T ([N, H] -> [N, 2I]), every expert with rows."""
-        self._for_experts(layout, lambda e, sl: torch.mm(xs[sl], base.gate_up[e].t(), out=out[sl]))
+        self._base_products(layout, base.gate_up, lambda sl, w: torch.mm(xs[sl], w.t(), out=out[sl]))
 
     def _down(self, layout: _Layout, base: ExpertWeights, h: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows of e] = h[rows of e] @ down[e]^T ([N, I] -> [N, H])."""
 
-        def down(e, sl):
-            out[sl] = torch.mm(h[sl], base.down[e].t())  # out= takes a 2.5x slower path here
+        def down(sl, w):
+            out[sl] = torch.mm(h[sl], w.t())  # out= takes a 2.5x slower path here
 
-        self._for_experts(layout, down)
+        self._base_products(layout, base.down, down)
 
     def _down_grad(self, layout: _Layout, base: ExpertWeights, gys: torch.Tensor, out: torch.Tensor) -> None:
         """out[rows of e] = gys[rows of e] @ down[e] ([N, H] -> [N, I]): grad through the frozen down."""
-        self._for_experts(layout, lambda e, sl: torch.mm(gys[sl], base.down[e], out=out[sl]))
+        self._base_products(layout, base.down, lambda sl, w: torch.mm(gys[sl], w, out=out[sl]))
 
     def _gate_up_grad(
         self, layout: _Layout, base: ExpertWeights, dgu: torch.Tensor, out: torch.Tensor
     ) -> None:
         """out[rows of e] = dgu[rows of e] @ gate_up[e] ([N, 2I] -> [N, H])."""
-        self._for_experts(layout, lambda e, sl: torch.mm(dgu[sl], base.gate_up[e], out=out[sl]))
+        self._base_products(layout, base.gate_up, lambda sl, w: torch.mm(dgu[sl], w, out=out[sl]))
+
+    # --- how the base products reach each expert's weight ------------------------------------
+
+    def _base_products(self, layout: _Layout, w, product: Callable[[slice, torch.Tensor], object]) -> None:
+        """``product(rows of e, w[e])`` for every expert e with rows. Dense ``w`` [E, M, K]: through
+        ``_for_experts``. Kept quantized (``QuantizedExperts``): the experts with rows are dequantized
+        a run of consecutive ids at a time into one reused buffer of at most ``CPU_DEQUANT_CHUNK_BYTES``
+        (one expert if larger), then each one's product runs on its slice: one dequantizer call (one
+        start of the native kernel's thread team, ~10 us a thread) a run instead of one an expert."""
+        if not is_quantized(w):
+            self._for_experts(layout, lambda e, sl: product(sl, w[e]))
+            return
+        rows_of = dict(layout.slices)
+        ids = sorted(rows_of)
+        per = max(1, CPU_DEQUANT_CHUNK_BYTES // (w.shape[1] * w.shape[2] * w.dtype.itemsize))
+        i = 0
+        while i < len(ids):
+            j = i + 1
+            while j < len(ids) and ids[j] == ids[j - 1] + 1 and j - i < per:
+                j += 1
+            lo, hi = ids[i], ids[j - 1] + 1
+            buf = _WS.get("dequant", (hi - lo, sum(w.part_rows), w.cols), w.dtype)
+            chunk = w.experts(lo, hi, out=buf)
+            for e in ids[i:j]:
+                product(rows_of[e], chunk[e - lo])
+            i = j
 
     def _for_experts(self, layout: _Layout, *products: Callable[[int, slice], object]) -> None:
         """Run every ``product(e, rows)`` for each expert e with rows, kind by kind: alternating big

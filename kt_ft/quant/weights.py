@@ -90,15 +90,23 @@ class QuantizedExperts:
         w = ws[0] if len(ws) == 1 else torch.cat(ws, 0)
         return w.t() if self.transposed else w
 
-    def experts(self, lo: int, hi: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def experts(
+        self, lo: int, hi: int, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Experts lo..hi-1 dequantized at once: [hi - lo, rows, cols] in ``dtype`` (default
-        ``self.dtype``), each part written into its rows of one buffer (``QuantFormat.dequantize_many``);
-        the [hi - lo, cols, rows] transposed view when ``transposed``. For the GPU's grouped products,
-        which take a chunk of experts this way (``kernels/grouped_device.py``: the chunk's size bounded
-        by ``KT_FT_DEQUANT_CHUNK_MIB``)."""
+        ``self.dtype``), each part written into its rows of one buffer (``QuantFormat.dequantize_many``;
+        ``out``: that buffer, [hi - lo, rows, cols] contiguous, else a new one); the [hi - lo, cols,
+        rows] transposed view when ``transposed``. For the grouped products, which take a chunk of
+        experts this way (``kernels/grouped_device.py``: the chunk's size bounded by
+        ``KT_FT_DEQUANT_CHUNK_MIB``; ``kernels/grouped.py`` on the CPU)."""
         dt = dtype or self.dtype
         rows = sum(self.part_rows)
-        w = torch.empty(hi - lo, rows, self.cols, dtype=dt, device=self.device)
+        shape = (hi - lo, rows, self.cols)
+        if out is not None and (tuple(out.shape) != shape or out.dtype != dt or not out.is_contiguous()):
+            raise ValueError(
+                f"QuantizedExperts.experts: out {tuple(out.shape)} {out.dtype}, want {shape} {dt}"
+            )
+        w = torch.empty(shape, dtype=dt, device=self.device) if out is None else out
         r = 0
         for p, n in zip(self.parts, self.part_rows, strict=True):
             self.fmt.dequantize_many({k: t[lo:hi] for k, t in p.items()}, dt, out=w[:, r : r + n])
