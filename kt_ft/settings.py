@@ -76,6 +76,12 @@ _ALL = (
         "the GPU memory plan counts it",
     ),
     Setting(
+        "KT_FT_TRITON_DEQUANT",
+        "1",
+        "0: GPU experts kept in fp8 are dequantized by two torch kernels instead of one Triton kernel "
+        "(the same bits; kt_ft/kernels/dequant_triton.py)",
+    ),
+    Setting(
         "KT_FT_LORA_BMM",
         "1",
         "0: the torch CPU backend computes the expert LoRA one expert at a time",

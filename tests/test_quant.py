@@ -95,6 +95,58 @@ def test_cpu_dequantizers_match_the_plain_twin(fmt, dequantizer, monkeypatch):
             assert torch.equal(many.nan_to_num(), torch.stack(want).nan_to_num())
 
 
+def _triton_fp8_case(device: str, on_gpu: bool) -> None:
+    """The Triton FP8 kernel against the plain twin on ``device``: two experts (all 256 codes in the
+    first), a shape with partial blocks, written into a row range of a larger buffer (the rows
+    around it untouched), fp32 and bf16, bitwise. ``on_gpu`` False (Triton's interpreter, which
+    turns e4m3 NaN codes into numbers and rounds to bf16 by truncation): the NaN codes are left out
+    and bf16 is checked to within one bf16 step (2^-7 relative) of the float32 value."""
+    from kt_ft.kernels import dequant_triton
+
+    f = FORMATS["fp8"]
+    gen = torch.Generator().manual_seed(SEED)
+    parts = [f.quantize((torch.randn(200, 300, generator=gen) * 0.02).bfloat16()) for _ in range(2)]
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    if not on_gpu:
+        codes[(codes & 0x7F) == 0x7F] = 0
+    parts[0]["weight"].view(torch.uint8).view(-1)[:256] = codes
+    q = torch.stack([p["weight"] for p in parts]).to(device)
+    s = torch.stack([p["weight_scale_inv"] for p in parts]).to(device)
+    exact = torch.stack([R.dequantize("fp8", p) for p in parts])  # float32
+    for dtype in (torch.float32, torch.bfloat16):
+        want = exact.to(dtype)
+        buf = torch.zeros(2, 210, 300, dtype=dtype, device=device)
+        dequant_triton.dequant_fp8_block(q, s, buf[:, 7:207])
+        got = buf[:, 7:207].cpu()
+        assert not buf[:, :7].any() and not buf[:, 207:].any(), dtype
+        assert torch.equal(got.isnan(), want.isnan()), dtype
+        if on_gpu or dtype == torch.float32:
+            assert torch.equal(got.nan_to_num(), want.nan_to_num()), dtype
+        else:
+            assert ((got.float() - exact).abs() <= exact.abs() * 2**-7).all(), dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs on the GPU machine")
+def test_triton_fp8_dequantizer_matches_the_plain_twin():
+    """On the GPU (where it runs), NaN codes included."""
+    print(f"seed {SEED}")
+    _triton_fp8_case("cuda", on_gpu=True)
+
+
+def test_triton_fp8_dequantizer_matches_the_plain_twin_in_the_interpreter():
+    """The same kernel run by Triton's interpreter on the CPU (``TRITON_INTERPRET=1``, a fresh
+    process: it is read when the kernel is defined), so its indexing, masks and rounding are checked
+    without a GPU (NaN codes left out, bf16 to within a step: ``_triton_fp8_case``)."""
+    pytest.importorskip("triton")
+    print(f"seed {SEED}")
+    code = "import test_quant as t; t._triton_fp8_case('cpu', on_gpu=False); print('ok')"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    tests_dir = str(Path(__file__).parent)
+    env["PYTHONPATH"] = os.pathsep.join([tests_dir, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_e4m3_bits_as_half_are_the_values_over_256(device):
     """Every one of the 256 e4m3 codes (subnormals, both zeros, the largest, NaN): the float16 of

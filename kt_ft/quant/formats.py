@@ -237,14 +237,21 @@ class Fp8Block(QuantFormat):
         native = _native(q, dtype, "dequant_fp8_block")
         if native is not None:  # any shape: partial blocks too
             return native(q, s, torch.empty(g, rows, inp, dtype=dtype) if out is None else out, b)
+        if q.device.type == "cuda":
+            from ..kernels import dequant_triton  # why: kt_ft.kernels imports kt_ft.quant (a cycle)
+
+            if dequant_triton.available(q, dtype):  # one kernel, 3 bytes an element moved; any shape
+                o = torch.empty(g, rows, inp, dtype=dtype, device=q.device) if out is None else out
+                return dequant_triton.dequant_fp8_block(q, s, o)
         if rows % b or inp % b:
             return super().dequantize_many(parts, dtype, out)
         if out is None:
             out = torch.empty(g, rows, inp, dtype=dtype, device=q.device)
         view = (g, rows // b, b, inp // b, b)
         if q.device.type == "cuda":
-            # the GPU converts e4m3 exactly to any wider float (no table, no float32 copy); the
-            # product with the float32 scale is computed in float32 and rounded once, as above
+            # the Triton kernel's twin, two kernels: the GPU converts e4m3 exactly to any wider
+            # float (no table, no float32 copy); the product with the float32 scale is computed in
+            # float32 and rounded once, as above
             out.copy_(q)
             out.view(view).mul_(s[:, :, None, :, None])
             return out
