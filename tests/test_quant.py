@@ -66,20 +66,33 @@ def test_dequantize_matches_the_plain_twin(fmt):
         assert f.nbytes(*shape) == sum(t.numel() * t.element_size() for t in parts.values())
 
 
-@pytest.mark.parametrize("dequantizer", ["native", "torch"])
+@pytest.mark.parametrize("dequantizer", ["native", "native-table", "torch"])
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_cpu_dequantizers_match_the_plain_twin(fmt, dequantizer, monkeypatch):
-    """On the CPU FP8 and INT8 weights are dequantized by kt-ft's C++ kernels (``kernels/dequant.cpp``)
-    where the library loads, else by torch: each == the plain twin, bitwise (NaN where the twin has
-    NaN), one weight and several at once, bf16 and fp32, every code present, a shape that does not
-    divide into FP8 blocks too."""
+    """On the CPU FP8 and INT8 weights are dequantized by kt-ft's C++ kernels (``kernels/dequant.cpp``:
+    8 codes a step with AVX2, a table of the 256 outputs elsewhere, here forced by capping the
+    library's path at scalar) where the library loads, else by torch: each == the plain twin,
+    bitwise (NaN where the twin has NaN), one weight and several at once, bf16 and fp32, every code
+    present, a shape that does not divide into FP8 blocks (nor into 8-code steps) too."""
     from kt_ft.kernels import native
     from kt_ft.quant import formats
 
-    if dequantizer == "native" and native.unavailable_reason():
+    if dequantizer != "torch" and native.unavailable_reason():
         pytest.skip(f"native library unavailable: {native.unavailable_reason()}")
-    monkeypatch.setattr(formats, "_NATIVE", {True: native if dequantizer == "native" else None})
+    if dequantizer == "native" and native.ISAS[native.best_isa()] < native.ISAS["avx2"]:
+        pytest.skip("this CPU has no AVX2: the table path is the native one (native-table)")
+    monkeypatch.setattr(formats, "_NATIVE", {True: None if dequantizer == "torch" else native})
+    if dequantizer == "native-table":
+        native.library().ktft_limit_isa(native.ISAS["scalar"])
     print(f"seed {SEED}")
+    try:
+        _cpu_dequantizer_case(fmt)
+    finally:
+        if dequantizer == "native-table":
+            native.library().ktft_limit_isa(0)
+
+
+def _cpu_dequantizer_case(fmt: str) -> None:
     f = FORMATS[fmt]
     gen = torch.Generator().manual_seed(SEED)
     for shape in [(256, 384), (100, 70)]:
