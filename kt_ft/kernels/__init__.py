@@ -34,8 +34,9 @@ BACKENDS: dict[str, type[ExpertBackend]] = {
 # passed over: ``auto_skip_reason``). native before torch: on CPUs without native bf16, torch's
 # bf16 GEMMs are ~1 GFLOP/s (docs/benchmarks.md, the op section).
 AUTO_ORDER = ("kt-kernel", "native", "torch")
-# backends that compute quantized experts (``kt_ft.quant``): they read the base one expert at a time
-# (``gate_up[e]``), which dequantizes that expert; native and kt-kernel read bf16 weights in place
+# backends that compute quantized experts (``kt_ft.quant``): they dequantize the base a bounded chunk of
+# experts at a time (torch: ``experts(lo, hi)``, reference: ``gate_up[e]``); native and kt-kernel read
+# bf16 weights in place
 QUANTIZED_BACKENDS = ("torch", "reference")
 
 
@@ -49,8 +50,8 @@ def select_backend(
     if quantized is not None:
         if name == "auto":
             return GroupedTorchBackend(), (
-                f"auto: torch, the fastest backend that computes {quantized} experts (it dequantizes one expert "
-                "at a time inside its products)"
+                f"auto: torch, the fastest backend that computes {quantized} experts (it dequantizes a bounded "
+                "chunk of experts at a time inside its products)"
             )
         if name not in QUANTIZED_BACKENDS:
             raise KTConfigError(

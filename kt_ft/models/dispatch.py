@@ -78,7 +78,7 @@ def _runner(module: torch.nn.Module):
             f"experts_implementation='kt_ft' on {type(module).__name__}: its weights are on "
             f"{tensors[0].device}; kt-ft's CPU op reads them in CPU memory (valid: cpu)"
         )
-    # weights kept quantized (``kt_ft.quant``) are read as they are, one expert at a time
+    # weights kept quantized (``kt_ft.quant``) are read as they are, dequantized a chunk of experts at a time
     base = ExpertWeights(*(t if t is None or is_quantized(t) else t.detach() for t in tensors), spec=spec)
     backend, _ = select_backend("torch", base.gate_up.dtype, spec, base.quantized)
     runner = ExpertRunner(backend, base, 0.0, chunk_size=8192, threads=None)

@@ -20,7 +20,7 @@ distributed in, so kt-ft reads those checkpoints as they are:
   ``scales`` uint8 [out, in/32], an e8m0 exponent; W = value * 2^(scale - 127). gpt-oss stores
   them fused over experts under ``{experts}.gate_up_proj_blocks`` etc. (``quant/loading.py``).
 
-The dequantizers here are vectorised (the path training takes, one expert at a time);
+The dequantizers here are vectorised (the path training takes, a chunk of experts at a time);
 ``reference.py`` holds plain twins written differently (loops over blocks, groups and nibbles)
 that the tests compare against. All dequantizers compute q * s in float32 and round once to the
 requested dtype: fp8 codes become float16 values / 256 by bit arithmetic (``e4m3_as_half``: torch's

@@ -304,8 +304,8 @@ def fill_quantized_experts(
             os.close(fd)
     logger.info(
         f"routed experts: {fmt_bytes(total)} of {fmt.name} ({fmt.description}) in {len(by_layer)} layers read "
-        "from the safetensors files into CPU RAM, kept quantized (dequantized when computed: an expert at a time on the CPU, a bounded chunk "
-        "of experts on the GPU)"
+        "from the safetensors files into CPU RAM, kept quantized (dequantized when computed, a bounded chunk of "
+        "experts at a time)"
     )
     return total
 
