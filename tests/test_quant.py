@@ -559,7 +559,7 @@ def test_unsupported_backends_are_refused(tiny_ckpts):
 def test_resident_quantized_experts_match_the_dequantized_model(tiny_ckpts, tmp_path, fmt):
     """Experts 0, 3, 5 of each layer resident on the "device" (the CPU here, as tests/test_resident.py
     does: the split and the device products run as on a GPU), kept quantized there and dequantized
-    one expert at a time; the rest by the CPU op. Same loss and gradients as the dequantized fp32
+    a chunk of experts at a time; the rest by the CPU op. Same loss and gradients as the dequantized fp32
     model on the reference backend (tolerances of the module doc)."""
     print(f"seed {SEED}")
     plain = tmp_path / "fp32"
