@@ -148,15 +148,14 @@ class QuantFormat:
 
 
 E4M3_HALF_SCALE = 256.0  # e4m3_as_half's values times this are the e4m3 values
-_NATIVE: dict = {}  # {True: the native library module, False: none (why was logged)}: looked up once
+_NATIVE: dict = {}  # {True: the native library module, or None (why was logged)}: looked up once a process
 
 
 def _native(q: torch.Tensor, dtype: torch.dtype, name: str):
-    """kt-ft's C++ dequantizer ``name`` (``kernels/dequant.cpp``: ``dequant_fp8_block`` ~5x the
-    torch bit arithmetic for FP8, ``dequant_int8_rows`` ~15x torch's int8 x float32 product written
-    to bf16, on 2 AVX2 cores; both bitwise the same as the torch twins) for codes ``q`` to ``dtype``:
-    None off the CPU, for another dtype than bf16 / fp32, or where the native library is not
-    available (logged once, with why)."""
+    """kt-ft's C++ dequantizer ``name`` of ``kt_ft.kernels.native`` (``kernels/dequant.cpp``:
+    ``dequant_fp8_block``, ``dequant_int8_rows``; bitwise the torch twins here and several times
+    faster: docs/quantized.md) for codes ``q`` to ``dtype``: None off the CPU, for another dtype
+    than bf16 / fp32, or where the native library is not available (logged once, with why)."""
     if q.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
     if not _NATIVE:
