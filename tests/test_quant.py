@@ -92,6 +92,27 @@ def test_cpu_dequantizers_match_the_plain_twin(fmt, dequantizer, monkeypatch):
             native.library().ktft_limit_isa(0)
 
 
+def test_native_dequantizers_refuse_mismatched_tensors():
+    """The native dequantizers check dtypes, shapes and layout before the C call, naming the
+    format and the shapes (a wrong scale shape would read past its buffer)."""
+    from kt_ft.kernels import native
+
+    if native.unavailable_reason():
+        pytest.skip(f"native library unavailable: {native.unavailable_reason()}")
+    q8, out = torch.zeros(2, 4, 6, dtype=torch.int8), torch.empty(2, 4, 6)
+    with pytest.raises(ValueError, match=r"native int8 dequantize: .*scale \(2, 4\) .*want \(2, 4, 1\)"):
+        native.dequant_int8_rows(q8, torch.ones(2, 4), out)
+    with pytest.raises(
+        TypeError, match="native int8 dequantize: q, scale, out dtypes torch.int8, torch.float64"
+    ):
+        native.dequant_int8_rows(q8, torch.ones(2, 4, 1, dtype=torch.float64), out)
+    with pytest.raises(ValueError, match="native int8 dequantize: CPU tensors with contiguous rows"):
+        native.dequant_int8_rows(q8, torch.ones(2, 4, 1), torch.empty(2, 6, 4).transpose(1, 2))
+    qf = torch.zeros(1, 200, 300).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"native fp8 dequantize: .*want \(1, 2, 3\)"):
+        native.dequant_fp8_block(qf, torch.ones(1, 2, 2), torch.empty(1, 200, 300), 128)
+
+
 def _cpu_dequantizer_case(fmt: str) -> None:
     f = FORMATS[fmt]
     gen = torch.Generator().manual_seed(SEED)

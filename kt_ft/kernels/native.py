@@ -265,6 +265,28 @@ def grouped_bf16(
     return out
 
 
+def _checked_dequant(what: str, q, q_dtype, scale, out, scale_shape) -> tuple[int, int, int]:
+    """(G, R, C) of a dequantizer's q [G, R, C] after checking the three tensors: q of ``q_dtype``,
+    scale fp32 shaped ``scale_shape(G, R, C)``, out bf16 / fp32 shaped like q; all on the CPU with
+    contiguous rows (any row and expert strides). Raises naming ``what`` and the shapes."""
+    if q.dtype != q_dtype or scale.dtype != torch.float32 or out.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"native {what} dequantize: q, scale, out dtypes {q.dtype}, {scale.dtype}, {out.dtype}"
+        )
+    if q.dim() != 3:
+        raise ValueError(f"native {what} dequantize: q must be [G, R, C] or [R, C], got {tuple(q.shape)}")
+    g, r, c = q.shape
+    want = scale_shape(g, r, c)
+    if tuple(scale.shape) != want or tuple(out.shape) != (g, r, c):
+        raise ValueError(
+            f"native {what} dequantize: q {tuple(q.shape)}, scale {tuple(scale.shape)} (want {want}), "
+            f"out {tuple(out.shape)}"
+        )
+    if any(t.device.type != "cpu" or (t.shape[2] > 1 and t.stride(2) != 1) for t in (q, scale, out)):
+        raise ValueError(f"native {what} dequantize: CPU tensors with contiguous rows")
+    return g, r, c
+
+
 def dequant_fp8_block(
     q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, block: int, threads: int | None = None
 ) -> torch.Tensor:
@@ -275,22 +297,9 @@ def dequant_fp8_block(
     if q.dim() == 2:
         dequant_fp8_block(q[None], scale[None], out[None], block, threads)
         return out
-    if (
-        q.dtype != torch.float8_e4m3fn
-        or scale.dtype != torch.float32
-        or out.dtype not in (torch.bfloat16, torch.float32)
-    ):
-        raise TypeError(f"native fp8 dequantize: q, scale, out dtypes {q.dtype}, {scale.dtype}, {out.dtype}")
-    if q.dim() != 3:
-        raise ValueError(f"native fp8 dequantize: q must be [G, R, C] or [R, C], got {tuple(q.shape)}")
-    g, r, c = q.shape
-    want = (g, -(-r // block), -(-c // block))
-    if tuple(scale.shape) != want or tuple(out.shape) != (g, r, c):
-        raise ValueError(
-            f"native fp8 dequantize: q {tuple(q.shape)}, scale {tuple(scale.shape)} (want {want}), out {tuple(out.shape)}"
-        )
-    if any(t.device.type != "cpu" or (t.shape[2] > 1 and t.stride(2) != 1) for t in (q, scale, out)):
-        raise ValueError("native fp8 dequantize: CPU tensors with contiguous rows")
+    g, r, c = _checked_dequant(
+        "fp8", q, torch.float8_e4m3fn, scale, out, lambda g, r, c: (g, -(-r // block), -(-c // block))
+    )
     library().ktft_dequant_fp8_block(
         g, r, c, block, q.data_ptr(), q.stride(1), q.stride(0), scale.data_ptr(), scale.stride(1),
         scale.stride(0), out.data_ptr(), out.stride(1), out.stride(0), int(out.dtype == torch.float32),
@@ -308,25 +317,7 @@ def dequant_int8_rows(
     if q.dim() == 2:
         dequant_int8_rows(q[None], scale[None], out[None], threads)
         return out
-    if (
-        q.dtype != torch.int8
-        or scale.dtype != torch.float32
-        or out.dtype not in (torch.bfloat16, torch.float32)
-    ):
-        raise TypeError(f"native int8 dequantize: q, scale, out dtypes {q.dtype}, {scale.dtype}, {out.dtype}")
-    if q.dim() != 3:
-        raise ValueError(f"native int8 dequantize: q must be [G, R, C] or [R, C], got {tuple(q.shape)}")
-    g, r, c = q.shape
-    if tuple(scale.shape) != (g, r, 1) or tuple(out.shape) != (g, r, c):
-        raise ValueError(
-            f"native int8 dequantize: q {tuple(q.shape)}, scale {tuple(scale.shape)} (want {(g, r, 1)}), "
-            f"out {tuple(out.shape)}"
-        )
-    if (
-        any(t.device.type != "cpu" or (c > 1 and t.stride(2) != 1) for t in (q, out))
-        or scale.device.type != "cpu"
-    ):
-        raise ValueError("native int8 dequantize: CPU tensors with contiguous rows")
+    g, r, c = _checked_dequant("int8", q, torch.int8, scale, out, lambda g, r, c: (g, r, 1))
     library().ktft_dequant_int8_rows(
         g, r, c, q.data_ptr(), q.stride(1), q.stride(0), scale.data_ptr(), scale.stride(1), scale.stride(0),
         out.data_ptr(), out.stride(1), out.stride(0), int(out.dtype == torch.float32), _threads(threads),
