@@ -81,7 +81,7 @@ def test_cpu_dequantizers_match_the_plain_twin(fmt, dequantizer, monkeypatch):
         pytest.skip(f"native library unavailable: {native.unavailable_reason()}")
     if dequantizer == "native" and native.ISAS[native.best_isa()] < native.ISAS["avx2"]:
         pytest.skip("this CPU has no AVX2: the table path is the native one (native-table)")
-    monkeypatch.setattr(formats, "_NATIVE", {True: None if dequantizer == "torch" else native})
+    monkeypatch.setattr(formats, "_native_lib", lambda: None if dequantizer == "torch" else native)
     if dequantizer == "native-table":
         native.library().ktft_limit_isa(native.ISAS["scalar"])
     print(f"seed {SEED}")

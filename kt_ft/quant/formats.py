@@ -32,6 +32,7 @@ directly (int4 4.1 -> 2.5 ms against converting and scaling in separate steps).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -148,26 +149,30 @@ class QuantFormat:
 
 
 E4M3_HALF_SCALE = 256.0  # e4m3_as_half's values times this are the e4m3 values
-_NATIVE: dict = {}  # {True: the native library module, or None (why was logged)}: looked up once a process
+
+
+@functools.lru_cache(maxsize=1)
+def _native_lib():
+    """``kt_ft.kernels.native`` where its library is available, else None (logged once, with why)."""
+    from ..kernels import native  # why: kt_ft.kernels imports kt_ft.quant (a module-level cycle)
+
+    why = native.unavailable_reason()
+    if why:
+        get_logger(__name__).info(
+            f"quantized weights are dequantized on the CPU by torch, not kt-ft's native kernels: {why}"
+        )
+        return None
+    return native
 
 
 def _native(q: torch.Tensor, dtype: torch.dtype, name: str):
     """kt-ft's C++ dequantizer ``name`` of ``kt_ft.kernels.native`` (``kernels/dequant.cpp``:
     ``dequant_fp8_block``, ``dequant_int8_rows``; bitwise the torch twins here and several times
     faster: docs/quantized.md) for codes ``q`` to ``dtype``: None off the CPU, for another dtype
-    than bf16 / fp32, or where the native library is not available (logged once, with why)."""
+    than bf16 / fp32, or where the native library is not available."""
     if q.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return None
-    if not _NATIVE:
-        from ..kernels import native  # why: kt_ft.kernels imports kt_ft.quant (a module-level cycle)
-
-        why = native.unavailable_reason()
-        _NATIVE[True] = None if why else native
-        if why:
-            get_logger(__name__).info(
-                f"quantized weights are dequantized on the CPU by torch, not kt-ft's native kernels: {why}"
-            )
-    lib = _NATIVE[True]
+    lib = _native_lib()
     return None if lib is None else getattr(lib, name)
 
 
