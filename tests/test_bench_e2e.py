@@ -97,6 +97,8 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
         assert r["tokens_per_step"] == 64  # every example is longer than cutoff_len
         assert r["tok_s"] > 0 and len(r["step_s"]) == 1 and r["host_peak_bytes"] > 0
         assert len(r["losses"]) == 2 and r["losses"][0] == r["first_loss"]
+        # the trainer's start line was seen: the host peak before it is known and within the run's
+        assert 0 < r["host_peak_load_bytes"] <= r["host_peak_bytes"], r
     a, b = records["kt-cpu:torch"]["first_loss"], records["peft"]["first_loss"]
     assert abs(a - b) <= 1e-4 * abs(b), (a, b)
     # the same model with its routed experts in int8 (per-channel: ~0.4% of each weight) runs on the
@@ -104,6 +106,8 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
     q = records["kt-cpu:torch+int8"]["first_loss"]
     assert q != a and abs(q - a) <= 1e-2 * abs(a), (q, a)
     work = tmp_path / "work"
+    timeline = (work / "runs" / "kt-cpu-torch" / "host_memory.csv").read_text().splitlines()
+    assert timeline[0] == "seconds,host_used_gib,phase" and len(timeline) >= 2, timeline
     recipe = yaml.safe_load((work / "runs" / "kt-cpu-torch+int8" / "recipe.yaml").read_text())
     assert recipe["model_name_or_path"] == str(work / "model-int8")
     assert json.loads((work / "model-int8" / "config.json").read_text())["quantization_config"]["format"] == (

@@ -314,14 +314,31 @@ def host_used_bytes() -> int:
     return info["MemTotal"] - info["MemAvailable"]
 
 
+# the line LLaMA-Factory's trainer logs when training starts (the model is loaded by then)
+TRAIN_START = "***** Running training *****"
+
+
 class Monitor:
     """Polls the device memory the driver reports (``nvidia-smi``, GPU ``gpu_index``) and host used
-    memory while a run lasts; keeps the peaks (bytes)."""
+    memory while a run lasts; keeps the peaks (bytes). With ``log_path``, the host peak is also
+    kept for the time before ``TRAIN_START`` appears in that log (``host_peak_load``: loading and
+    preparing the model, where a second copy of weights would show) and a timeline of host used
+    memory, one sample a second, goes to ``timeline_path`` (CSV: seconds, GiB, phase)."""
 
-    def __init__(self, gpu_index: str | None, interval_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        gpu_index: str | None,
+        interval_s: float = 0.2,
+        log_path: Path | None = None,
+        timeline_path: Path | None = None,
+    ) -> None:
         self.gpu_index, self.interval_s = gpu_index, interval_s
+        self.log_path, self.timeline_path = log_path, timeline_path
         self.gpu_peak: int | None = None
         self.host_peak = 0
+        self.host_peak_load = 0
+        self.training = False
+        self._log_offset = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._smi: subprocess.Popen | None = None
@@ -340,10 +357,41 @@ class Monitor:
             t.start()
         return self
 
+    def _training_started(self) -> bool:
+        """Whether TRAIN_START is in the log yet (read on from where the last look stopped)."""
+        if self.training or self.log_path is None:
+            return self.training
+        try:
+            with open(self.log_path, errors="replace") as f:
+                f.seek(max(0, self._log_offset - len(TRAIN_START)))
+                text = f.read()
+                self._log_offset = f.tell()
+        except OSError:
+            return False
+        self.training = TRAIN_START in text
+        return self.training
+
     def _poll_host(self) -> None:
-        while not self._stop.is_set():
-            self.host_peak = max(self.host_peak, host_used_bytes())
-            self._stop.wait(self.interval_s)
+        t0, last = time.perf_counter(), -1.0
+        out = open(self.timeline_path, "w") if self.timeline_path is not None else None
+        try:
+            if out is not None:
+                out.write("seconds,host_used_gib,phase\n")
+            while not self._stop.is_set():
+                used = host_used_bytes()
+                self.host_peak = max(self.host_peak, used)
+                training = self._training_started()
+                if not training:
+                    self.host_peak_load = max(self.host_peak_load, used)
+                now = time.perf_counter() - t0
+                if out is not None and now - last >= 1.0:
+                    out.write(f"{now:.1f},{used / GIB:.2f},{'train' if training else 'load'}\n")
+                    out.flush()
+                    last = now
+                self._stop.wait(self.interval_s)
+        finally:
+            if out is not None:
+                out.close()
 
     def _read_smi(self) -> None:
         assert self._smi is not None and self._smi.stdout is not None
@@ -382,6 +430,8 @@ class E2ERecord:
     gpu_peak_bytes: int | None = None
     host_peak_bytes: int = 0
     host_rise_bytes: int = 0
+    # host peak before LF's trainer started (load and preparation); 0 where it never started
+    host_peak_load_bytes: int = 0
     predicted_micro_s: float | None = None  # cost model: one micro-batch (placement: auto)
     cap_gib: float | None = None
     grad_accum: int = 1  # micro-batches an optimizer step
@@ -463,7 +513,10 @@ def run_system(
     log_path = run_dir / "train.log"
     idle = host_used_bytes()
     t0 = time.perf_counter()
-    with open(log_path, "w") as log, Monitor(gpu_index) as mon:
+    with (
+        open(log_path, "w") as log,
+        Monitor(gpu_index, log_path=log_path, timeline_path=run_dir / "host_memory.csv") as mon,
+    ):
         proc = subprocess.Popen(
             [cli, "train", str(recipe)],
             stdout=log,
@@ -498,6 +551,7 @@ def run_system(
         gpu_peak_bytes=mon.gpu_peak,
         host_peak_bytes=mon.host_peak,
         host_rise_bytes=max(0, mon.host_peak - idle),
+        host_peak_load_bytes=mon.host_peak_load if mon.training else 0,
         predicted_micro_s=float(pred[-1]) / 1e3 if pred else None,
         cap_gib=system.cap_gib,
         grad_accum=grad_accum,
@@ -606,7 +660,10 @@ def _quants(systems: list[System]) -> list[str]:
 def _one_line(r: E2ERecord) -> str:
     tok = f"{r.tok_s:,.0f} tok/s" if r.tok_s else "no rate"
     gpu = f", GPU peak {r.gpu_peak_bytes / GIB:.1f} GiB" if r.gpu_peak_bytes else ""
-    return f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB, {r.seconds:.0f} s {r.note}"
+    load = f" (before training {r.host_peak_load_bytes / GIB:.1f})" if r.host_peak_load_bytes else ""
+    return (
+        f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}, {r.seconds:.0f} s {r.note}"
+    )
 
 
 def write_json(path: str, records: list[E2ERecord], cutoff_len: int, grad_accum: int, threads: int) -> None:

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..quant.weights import is_quantized
 from .base import ExpertBackend, ExpertWeights, LoraTensors, accum_dtype
@@ -239,7 +238,10 @@ class GroupedTorchBackend(ExpertBackend):
         gu.add_(lo, alpha=s)
         lo = None  # the workspace view is free again
 
-        h = F.silu(gu[:, :inter]) * gu[:, inter:]  # [N, I]
+        # [N, I] in a workspace buffer: a fresh allocation this size comes from the OS and pays a page
+        # fault per 4 KiB at its first write (~200k faults a DeepSeek-V2-Lite layer at 2,048 tokens)
+        h = torch.ops.aten.silu.out(gu[:, :inter], out=_WS.get("h", (n_pairs, inter), dt))
+        h.mul_(gu[:, inter:])
         d = _WS.get("f_d", (n_pairs, hidden), dt)
         pd = buf("pd", rank)
         lo = _WS.get("f_lo_d", (n_pairs, hidden), dt)
@@ -255,7 +257,7 @@ class GroupedTorchBackend(ExpertBackend):
         _zero_null_rows(d, layout.counts)
 
         # out_t = sum_k w_tk d_tk: back to token order, then [T,1,k] @ [T,k,H] (fp32 accumulation)
-        d_tok = d.index_select(0, inv).view(t, k, hidden)
+        d_tok = torch.index_select(d, 0, inv, out=_WS.get("tok_rows", (t * k, hidden), dt)).view(t, k, hidden)
         out = torch.bmm(weights.to(dt).view(t, 1, k), d_tok).view(t, hidden)
         if not needs_grad:
             return out, None
@@ -280,8 +282,9 @@ class GroupedTorchBackend(ExpertBackend):
         inter = ctx.gu.shape[1] // 2
         num_experts = lc.gate_a.shape[0]
         g, u = ctx.gu[:, :inter], ctx.gu[:, inter:]
-        silu_g = F.silu(g)
-        h = silu_g * u
+        # [N, I] temporaries in workspace buffers (no page faults: see the forward's h)
+        silu_g = torch.ops.aten.silu.out(g, out=_WS.get("b_silu", (n_pairs, inter), dt))
+        h = torch.mul(silu_g, u, out=_WS.get("h", (n_pairs, inter), dt))
         gys = torch.index_select(grad_out.to(dt), 0, ctx.tok, out=_WS.get("b_gys", (n_pairs, hidden), dt))
 
         # down projection: q = dY Wd, qa = dY Bd
@@ -292,7 +295,9 @@ class GroupedTorchBackend(ExpertBackend):
         self._down_grad(lay, base, gys, q)
         # summed in the compute dtype (its CPU reduction accumulates in float32) and then widened:
         # sum(dtype=float32) first copied the [N, I] product to float32 (2.5x slower for this line)
-        grad_ws = (h * q).sum(-1).to(acc) + s * (ctx.pd * qa).sum(-1).to(acc)  # [N]
+        hq = torch.mul(h, q, out=_WS.get("b_nI", (n_pairs, inter), dt))
+        grad_ws = hq.sum(-1).to(acc) + s * (ctx.pd * qa).sum(-1).to(acc)  # [N]
+        hq = None
         dpd = qa.mul_(ws).mul_(s)  # [N, r] grad of pd = h Ad^T (qa is not needed any more)
         wpd = ctx.pd * ws * s  # [N, r]: dBd = dY^T (s w pd)
         dh = q.mul_(ws)  # [N, I] base part of grad h
@@ -309,7 +314,9 @@ class GroupedTorchBackend(ExpertBackend):
         lo = gys = h = q = None  # free h and the views
 
         dgu = _WS.get("b_dgu", (n_pairs, 2 * inter), dt)
-        torch.ops.aten.silu_backward(dh * u, g, grad_input=dgu[:, :inter])
+        dhu = torch.mul(dh, u, out=_WS.get("b_nI", (n_pairs, inter), dt))
+        torch.ops.aten.silu_backward(dhu, g, grad_input=dgu[:, :inter])
+        dhu = None
         torch.mul(dh, silu_g, out=dgu[:, inter:])
         del dh, silu_g
 
@@ -349,7 +356,8 @@ class GroupedTorchBackend(ExpertBackend):
         # rounding to the compute dtype); .sum(1, dtype=float32) first converted the whole
         # [T*k, H] gather to float32: 180 ms -> 91 ms for this line at 4096 tokens (Qwen3-30B-A3B
         # layer, 2 threads)
-        dx_tok = dxs.index_select(0, ctx.inv).view(t, k, hidden)
+        dx_tok = torch.index_select(dxs, 0, ctx.inv, out=_WS.get("tok_rows", (t * k, hidden), dt))
+        dx_tok = dx_tok.view(t, k, hidden)
         grad_x = torch.bmm(dx_tok.new_ones(t, 1, k), dx_tok).view(t, hidden).to(acc)
         grad_w = grad_ws.index_select(0, ctx.inv).view(t, k)
         if ctx.saved not in self._free:  # a repeated backward (retain_graph) returns it once
