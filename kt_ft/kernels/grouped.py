@@ -6,8 +6,9 @@ Layout choices (measured on a 16-core Sapphire-Rapids-class Xeon, see docs/bench
   weight 0 and are never read back): oneDNN builds one GEMM kernel per shape and caches about
   a thousand, so raw per-expert row counts (a new shape almost every call) made every product
   pay a kernel build -- 5x slower on the GPU machine's Xeon;
-* products write contiguous slices of buffers allocated once per call (no GEMM into a strided
-  view); LoRA corrections go to their own buffer and are added with one vectorised op;
+* products write contiguous slices of buffers kept between calls (no GEMM into a strided view,
+  no page faults of fresh allocations); a LoRA correction is written first and the frozen base
+  product accumulates onto it (no temporary of the output's size, no pass adding it);
 * gate and up LoRA run as one product each way: A_gu = [Ag; Au] [2r, H] and the
   block-diagonal B_gu = diag(Bg, Bu) [2I, 2r], built once per call;
 * the rank-sized LoRA products (12 kinds, ~4 MFLOP each per expert at 128 rows) run as one
@@ -134,27 +135,28 @@ class GroupedTorchBackend(ExpertBackend):
         """Dtype of the activations, LoRA copies and every temporary: the weights' own."""
         return base.gate_up.dtype
 
+    # Each adds its product onto ``out``, which holds the LoRA term already: the LoRA products write
+    # straight into the buffer the base product then accumulates into, so no [N, 2I] / [N, H]
+    # temporary and no pass adding it (per expert here the sum stays in cache; the native
+    # backend's GEMMs accumulate in the tile). Padding rows' values are never read back.
+
     def _gate_up(self, layout: _Layout, base: ExpertWeights, xs: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows of e] = xs[rows of e] @ gate_up[e]^T ([N, H] -> [N, 2I]), every expert with rows."""
-        self._base_products(layout, base.gate_up, lambda sl, w: torch.mm(xs[sl], w.t(), out=out[sl]))
+        """out[rows of e] += xs[rows of e] @ gate_up[e]^T ([N, H] -> [N, 2I]), every expert with rows."""
+        self._base_products(layout, base.gate_up, lambda sl, w: out[sl].add_(torch.mm(xs[sl], w.t())))
 
     def _down(self, layout: _Layout, base: ExpertWeights, h: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows of e] = h[rows of e] @ down[e]^T ([N, I] -> [N, H])."""
-
-        def down(sl, w):
-            out[sl] = torch.mm(h[sl], w.t())  # out= takes a 2.5x slower path here
-
-        self._base_products(layout, base.down, down)
+        """out[rows of e] += h[rows of e] @ down[e]^T ([N, I] -> [N, H])."""
+        self._base_products(layout, base.down, lambda sl, w: out[sl].add_(torch.mm(h[sl], w.t())))
 
     def _down_grad(self, layout: _Layout, base: ExpertWeights, gys: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows of e] = gys[rows of e] @ down[e] ([N, H] -> [N, I]): grad through the frozen down."""
-        self._base_products(layout, base.down, lambda sl, w: torch.mm(gys[sl], w, out=out[sl]))
+        """out[rows of e] += gys[rows of e] @ down[e] ([N, H] -> [N, I]): grad through the frozen down."""
+        self._base_products(layout, base.down, lambda sl, w: out[sl].add_(torch.mm(gys[sl], w)))
 
     def _gate_up_grad(
         self, layout: _Layout, base: ExpertWeights, dgu: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """out[rows of e] = dgu[rows of e] @ gate_up[e] ([N, 2I] -> [N, H])."""
-        self._base_products(layout, base.gate_up, lambda sl, w: torch.mm(dgu[sl], w, out=out[sl]))
+        """out[rows of e] += dgu[rows of e] @ gate_up[e] ([N, 2I] -> [N, H])."""
+        self._base_products(layout, base.gate_up, lambda sl, w: out[sl].add_(torch.mm(dgu[sl], w)))
 
     # --- how the base products reach each expert's weight ------------------------------------
 
@@ -228,15 +230,13 @@ class GroupedTorchBackend(ExpertBackend):
 
         gu = buf("gu", two_i)
         p = buf("p", 2 * rank)
-        lo = _WS.get("f_lo_gu", (n_pairs, two_i), dt)
         self._for_groups(
             layout,
             lambda g: torch.bmm(g.view(xs), g.pick(a_gu).transpose(1, 2), out=g.view(p)),
-            lambda g: torch.bmm(g.view(p), g.pick(b_gu).transpose(1, 2), out=g.view(lo)),
+            # s * p B_gu^T into gu (beta 0: gu's old contents are not read), the base product adds on
+            lambda g: g.view(gu).baddbmm_(g.view(p), g.pick(b_gu).transpose(1, 2), beta=0, alpha=s),
         )
         self._gate_up(layout, base, xs, gu)
-        gu.add_(lo, alpha=s)
-        lo = None  # the workspace view is free again
 
         # [N, I] in a workspace buffer: a fresh allocation this size comes from the OS and pays a page
         # fault per 4 KiB at its first write (~200k faults a DeepSeek-V2-Lite layer at 2,048 tokens)
@@ -244,16 +244,13 @@ class GroupedTorchBackend(ExpertBackend):
         h.mul_(gu[:, inter:])
         d = _WS.get("f_d", (n_pairs, hidden), dt)
         pd = buf("pd", rank)
-        lo = _WS.get("f_lo_d", (n_pairs, hidden), dt)
-
         self._for_groups(
             layout,
             lambda g: torch.bmm(g.view(h), g.pick(lc.down_a).transpose(1, 2), out=g.view(pd)),
-            lambda g: torch.bmm(g.view(pd), g.pick(lc.down_b).transpose(1, 2), out=g.view(lo)),
+            lambda g: g.view(d).baddbmm_(g.view(pd), g.pick(lc.down_b).transpose(1, 2), beta=0, alpha=s),
         )
         self._down(layout, base, h, d)
-        d.add_(lo, alpha=s)
-        lo = h = None  # free h (the products above capture these names)
+        h = None  # the products above capture the name
         _zero_null_rows(d, layout.counts)
 
         # out_t = sum_k w_tk d_tk: back to token order, then [T,1,k] @ [T,k,H] (fp32 accumulation)
@@ -287,31 +284,34 @@ class GroupedTorchBackend(ExpertBackend):
         h = torch.mul(silu_g, u, out=_WS.get("h", (n_pairs, inter), dt))
         gys = torch.index_select(grad_out.to(dt), 0, ctx.tok, out=_WS.get("b_gys", (n_pairs, hidden), dt))
 
-        # down projection: q = dY Wd, qa = dY Bd
+        # down projection: qa = dY Bd, q = dY (Wd + s Bd Ad) = dY Wd + s qa Ad: the gradient of the
+        # expert's input to down per unit routing weight, its LoRA term first (the base adds on)
         q = _WS.get("b_q", (n_pairs, inter), dt)
         qa = torch.empty(n_pairs, rank, dtype=dt)
         lay = ctx.layout
-        self._for_groups(lay, lambda g: torch.bmm(g.view(gys), g.pick(lc.down_b), out=g.view(qa)))
+        self._for_groups(
+            lay,
+            lambda g: torch.bmm(g.view(gys), g.pick(lc.down_b), out=g.view(qa)),
+            lambda g: g.view(q).baddbmm_(g.view(qa), g.pick(lc.down_a), beta=0, alpha=s),
+        )
         self._down_grad(lay, base, gys, q)
-        # summed in the compute dtype (its CPU reduction accumulates in float32) and then widened:
-        # sum(dtype=float32) first copied the [N, I] product to float32 (2.5x slower for this line)
+        # dY.d with d = h Wd^T + s (h Ad^T) Bd^T is h.q. Summed in the compute dtype (its CPU
+        # reduction accumulates in float32) and then widened: sum(dtype=float32) first copied the
+        # [N, I] product to float32 (2.5x slower for this line)
         hq = torch.mul(h, q, out=_WS.get("b_nI", (n_pairs, inter), dt))
-        grad_ws = hq.sum(-1).to(acc) + s * (ctx.pd * qa).sum(-1).to(acc)  # [N]
+        grad_ws = hq.sum(-1).to(acc)  # [N]
         hq = None
         dpd = qa.mul_(ws).mul_(s)  # [N, r] grad of pd = h Ad^T (qa is not needed any more)
         wpd = ctx.pd * ws * s  # [N, r]: dBd = dY^T (s w pd)
-        dh = q.mul_(ws)  # [N, I] base part of grad h
+        dh = q.mul_(ws)  # [N, I] grad of h
         grads = {n: torch.empty(w.shape, dtype=dt) for n, w in lc._asdict().items()}
-        lo = _WS.get("b_lo_h", (n_pairs, inter), dt)
 
         self._for_groups(
             lay,
             lambda g: g.put(grads["down_b"], torch.bmm(g.view(gys).transpose(1, 2), g.view(wpd))),
             lambda g: g.put(grads["down_a"], torch.bmm(g.view(dpd).transpose(1, 2), g.view(h))),
-            lambda g: torch.bmm(g.view(dpd), g.pick(lc.down_a), out=g.view(lo)),
         )
-        dh.add_(lo)
-        lo = gys = h = q = None  # free h and the views
+        gys = h = q = None  # free h and the views
 
         dgu = _WS.get("b_dgu", (n_pairs, 2 * inter), dt)
         dhu = torch.mul(dh, u, out=_WS.get("b_nI", (n_pairs, inter), dt))
@@ -321,7 +321,6 @@ class GroupedTorchBackend(ExpertBackend):
         del dh, silu_g
 
         dxs = _WS.get("b_dxs", (n_pairs, hidden), dt)
-        lo = _WS.get("b_lo_x", (n_pairs, hidden), dt)
         dp = torch.empty(n_pairs, 2 * rank, dtype=dt)
         db_gu = torch.empty(num_experts, 2 * inter, 2 * rank, dtype=dt)
         da_gu = torch.empty(num_experts, 2 * rank, hidden, dtype=dt)
@@ -335,11 +334,9 @@ class GroupedTorchBackend(ExpertBackend):
         self._for_groups(
             lay,
             lambda g: g.put(da_gu, torch.bmm(g.view(dp).transpose(1, 2), g.view(xs))),
-            lambda g: torch.bmm(g.view(dp), g.pick(ctx.a_gu), out=g.view(lo)),
+            lambda g: torch.bmm(g.view(dp), g.pick(ctx.a_gu), out=g.view(dxs)),
         )
         self._gate_up_grad(lay, base, dgu, dxs)
-        dxs.add_(lo)
-        lo = None
         _zero_null_rows(dxs, lay.counts)
         _zero_null_rows(grad_ws, lay.counts)
 

@@ -91,7 +91,8 @@ class NativeBackend(GroupedTorchBackend):
             plan = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).t().contiguous()
             layout._native_plan = plan  # the layout is per call: made once, used by all four products
         threads = self._threads or torch.get_num_threads()
-        native.grouped_bf16(trans_w, a, w, out, plan[0], plan[1], plan[2], plan[3], threads=threads)
+        # beta 1: out holds the LoRA term (the base class's products accumulate), added in the tile
+        native.grouped_bf16(trans_w, a, w, out, plan[0], plan[1], plan[2], plan[3], beta=1.0, threads=threads)
 
     def _gate_up(self, layout, base, xs, out):
         if not self._native(base):
