@@ -1,4 +1,5 @@
-"""One log line at the end of a run: what crossed the RAM->GPU link and what the GPU allocator did.
+"""One log line at the end of a run: what crossed the RAM->GPU link, what the GPU allocator did and
+where host memory went.
 
 The allocator's peaks are also kept per phase of a step (``PhasePeaks``: the start, with
 ``placement: auto``'s measurement of the non-expert work; forward + backward of the micro-batches;
@@ -72,6 +73,36 @@ class PhasePeaks:
         )
 
 
+def host_stats(model: torch.nn.Module) -> str:
+    """Where host memory went: the process's peak resident set (``ru_maxrss``), the CUDA host
+    (pinned) allocator's peak reserve, and what the CPU op keeps between calls (its layers'
+    backward state, its shared scratch buffers)."""
+    import resource
+
+    from .kernels.grouped import _WS, GroupedTorchBackend
+
+    parts = [f"host: peak RSS {fmt_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}"]
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        try:
+            pinned = int(torch.cuda.host_memory_stats().get("reserved_bytes.peak", 0))
+            parts.append(f"pinned peak {fmt_bytes(pinned)}")
+        except RuntimeError:  # no CUDA context made yet
+            pass
+    sets, saved = 0, 0
+    seen: set[int] = set()
+    for m in model.modules():
+        backend = getattr(getattr(m, "runner", None), "backend", None)
+        if isinstance(m, KTExperts) and isinstance(backend, GroupedTorchBackend) and id(backend) not in seen:
+            seen.add(id(backend))
+            n, b = backend.host_bytes()
+            sets, saved = sets + n, saved + b
+    if seen:
+        parts.append(
+            f"CPU op backward state {fmt_bytes(saved)} in {sets} sets, scratch {fmt_bytes(_WS.nbytes())}"
+        )
+    return ", ".join(parts)
+
+
 def run_summary(model: torch.nn.Module, steps: int) -> str:
     """``steps`` optimizer steps ran: the line the end of training logs."""
     parts = []
@@ -96,4 +127,5 @@ def run_summary(model: torch.nn.Module, steps: int) -> str:
         )
     if phases is not None and phases.line():
         parts.append(phases.line())
-    return "; ".join(parts) if parts else "nothing streamed, no GPU"
+    parts.append(host_stats(model))
+    return "; ".join(parts)

@@ -69,7 +69,8 @@ for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
     --threads "$THREADS" --e2e-steps "${E2E_STEPS:-5}" --workdir "/tmp/e2e-$preset" --json "$OUT/e2e-$preset.json" \
     ${E2E_SYSTEMS:+--e2e-systems "$E2E_SYSTEMS"} ${PEER_SITE:+--peer-site "$PEER_SITE"} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tee "$OUT/e2e-$preset.log"
   mkdir -p "$OUT/e2e-logs" && for f in /tmp/e2e-"$preset"/runs/*/train.log; do
-    cp "$f" "$OUT/e2e-logs/$preset-$(basename "$(dirname "$f")").log"; done
+    d=$(dirname "$f"); cp "$f" "$OUT/e2e-logs/$preset-$(basename "$d").log"
+    [[ -f $d/host_memory.csv ]] && cp "$d/host_memory.csv" "$OUT/e2e-logs/$preset-$(basename "$d")-host.csv"; done
   tar -czf "$OUT/e2e-logs-$preset.tgz" -C "$OUT" e2e-logs && rm -rf "$OUT/e2e-logs"
   rm -rf "/tmp/e2e-$preset"/model*  # the disk holds one full-size model (and its quantized copy) at a time
 done

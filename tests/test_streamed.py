@@ -467,9 +467,15 @@ def test_run_summary_reports_the_schedulers_counters(tmp_path):
         f"in {sched.copies} copies ({sched.copies:.1f} a step; forward {sched.copies_by['forward']}" in line
     )
     assert f"{sched.hits} uses found their layer" in line
-    other = run_summary(all_cpu(num_hidden_layers=2), steps=1)
+    cpu = all_cpu(num_hidden_layers=2)
+    other = run_summary(cpu, steps=1)
     assert (
-        other.startswith("GPU allocator")
-        if torch.cuda.is_available()
-        else other == "nothing streamed, no GPU"
+        other.startswith("GPU allocator") if torch.cuda.is_available() else other.startswith("host: peak RSS")
     )
+    # where host memory went: each CPU layer's backward state is one set, back in its free list
+    # after the backward, and the report sums them
+    cpu(input_ids=ids, labels=ids).loss.backward()
+    sets = [m.runner.backend.host_bytes() for m in kt_layers(cpu)]
+    assert [n for n, _ in sets] == [1, 1] and all(b > 0 for _, b in sets), sets
+    line = run_summary(cpu, steps=1)
+    assert "CPU op backward state" in line and "in 2 sets" in line, line

@@ -661,9 +661,7 @@ def _one_line(r: E2ERecord) -> str:
     tok = f"{r.tok_s:,.0f} tok/s" if r.tok_s else "no rate"
     gpu = f", GPU peak {r.gpu_peak_bytes / GIB:.1f} GiB" if r.gpu_peak_bytes else ""
     load = f" (before training {r.host_peak_load_bytes / GIB:.1f})" if r.host_peak_load_bytes else ""
-    return (
-        f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}, {r.seconds:.0f} s {r.note}"
-    )
+    return f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}, {r.seconds:.0f} s {r.note}"
 
 
 def write_json(path: str, records: list[E2ERecord], cutoff_len: int, grad_accum: int, threads: int) -> None:

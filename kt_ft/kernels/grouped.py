@@ -62,6 +62,10 @@ class _Workspace:
             self._bufs[(key, dtype)] = buf
         return buf[:numel].view(shape)
 
+    def nbytes(self) -> int:
+        """Bytes the buffers hold now (the run summary reports them)."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
 
 _WS = _Workspace()
 # experts kept quantized are dequantized this many bytes (in the compute dtype) at a time at most:
@@ -88,6 +92,9 @@ class _SavedBuffers:
             buf = torch.empty(numel, dtype=dtype)
             self.flat[key] = buf
         return buf[:numel].view(shape)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.flat.values())
 
 
 @dataclass
@@ -128,6 +135,7 @@ class GroupedTorchBackend(ExpertBackend):
 
     def __init__(self) -> None:
         self._free: list[_SavedBuffers] = []
+        self._sets = 0  # saved-state sets made (each lives as long as the backend)
 
     # --- what a subclass may replace: the compute dtype and the four frozen-base products ------
 
@@ -200,9 +208,17 @@ class GroupedTorchBackend(ExpertBackend):
                 fn(g)
 
     def _take_saved(self) -> _SavedBuffers:
-        saved = self._free.pop() if self._free else _SavedBuffers()
+        if self._free:
+            saved = self._free.pop()
+        else:
+            saved, self._sets = _SavedBuffers(), self._sets + 1
         saved.generation += 1
         return saved
+
+    def host_bytes(self) -> tuple[int, int]:
+        """(saved-state sets made, bytes of those back in the free list): at the end of a run every
+        set is back, so this is the memory the backward state of this backend's layers holds."""
+        return self._sets, sum(s.nbytes() for s in self._free)
 
     def forward(self, x, ids, weights, base: ExpertWeights, lora: LoraTensors, scaling, needs_grad):
         if not base.is_plain:  # transposed / interleaved / biased / clamped experts (gpt_oss)
