@@ -93,6 +93,7 @@ def host_stats(model: torch.nn.Module) -> str:
     for m in model.modules():
         backend = getattr(getattr(m, "runner", None), "backend", None)
         if isinstance(m, KTExperts) and isinstance(backend, GroupedTorchBackend) and id(backend) not in seen:
+            # (a backend shared by several layers is counted once)
             seen.add(id(backend))
             n, b = backend.host_bytes()
             sets, saved = sets + n, saved + b
@@ -101,6 +102,18 @@ def host_stats(model: torch.nn.Module) -> str:
             f"CPU op backward state {fmt_bytes(saved)} in {sets} sets, scratch {fmt_bytes(_WS.nbytes())}"
         )
     return ", ".join(parts)
+
+
+def cpu_op_stats(model: torch.nn.Module) -> str | None:
+    """The CPU expert op's wall time over the run, all layers (``ExpertRunner.busy_s``: forward and
+    backward calls, inside the backend): beside the step time it says what share the op took, and
+    ``kt-ft bench --parts e2e`` sets it against ``--parts op``'s time for the same shape."""
+    runners = [m.runner for m in model.modules() if isinstance(m, KTExperts) and m.runner.forward_calls]
+    if not runners:
+        return None
+    busy = sum(r.busy_s for r in runners)
+    calls = sum(r.forward_calls for r in runners)
+    return f"CPU op busy {busy:.3f} s in {calls} forward calls over {len(runners)} layers"
 
 
 def run_summary(model: torch.nn.Module, steps: int) -> str:
@@ -127,5 +140,8 @@ def run_summary(model: torch.nn.Module, steps: int) -> str:
         )
     if phases is not None and phases.line():
         parts.append(phases.line())
+    op = cpu_op_stats(model)
+    if op is not None:
+        parts.append(op)
     parts.append(host_stats(model))
     return "; ".join(parts)

@@ -433,6 +433,9 @@ class E2ERecord:
     # host peak before LF's trainer started (load and preparation); 0 where it never started
     host_peak_load_bytes: int = 0
     predicted_micro_s: float | None = None  # cost model: one micro-batch (placement: auto)
+    # the CPU expert op's wall time a micro-batch, all layers, as the run's summary line states it
+    # (over every micro-batch of the run; ``--parts op`` times one layer's op at the same shape)
+    cpu_op_micro_s: float | None = None
     cap_gib: float | None = None
     grad_accum: int = 1  # micro-batches an optimizer step
     note: str = ""
@@ -484,6 +487,7 @@ def last_half_rate(rows: list[dict], skip_step: int | None = None) -> float | No
 
 
 _PREDICTED = re.compile(r"predicted step ([0-9.]+) ms")
+_CPU_OP = re.compile(r"CPU op busy ([0-9.]+) s in")
 
 
 def llamafactory_cli() -> str:
@@ -535,6 +539,7 @@ def run_system(
     rate, steps, per_step = rate_from_log(rows, skip_step=skip)
     text = log_path.read_text(errors="replace")
     pred = _PREDICTED.findall(text)
+    op = _CPU_OP.findall(text)
     rec = E2ERecord(
         system=system.name,
         preset=preset,
@@ -553,6 +558,7 @@ def run_system(
         host_rise_bytes=max(0, mon.host_peak - idle),
         host_peak_load_bytes=mon.host_peak_load if mon.training else 0,
         predicted_micro_s=float(pred[-1]) / 1e3 if pred else None,
+        cpu_op_micro_s=float(op[-1]) / (len(rows) * grad_accum) if op and rows else None,
         cap_gib=system.cap_gib,
         grad_accum=grad_accum,
     )
@@ -661,6 +667,7 @@ def _one_line(r: E2ERecord) -> str:
     tok = f"{r.tok_s:,.0f} tok/s" if r.tok_s else "no rate"
     gpu = f", GPU peak {r.gpu_peak_bytes / GIB:.1f} GiB" if r.gpu_peak_bytes else ""
     load = f" (before training {r.host_peak_load_bytes / GIB:.1f})" if r.host_peak_load_bytes else ""
+    load += f", CPU op {r.cpu_op_micro_s * 1e3:.0f} ms a micro-batch" if r.cpu_op_micro_s else ""
     return f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}, {r.seconds:.0f} s {r.note}"
 
 
