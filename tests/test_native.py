@@ -336,3 +336,19 @@ def test_loader_without_a_library_says_how_to_build(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         nt._load.cache_clear()
+
+
+@pytest.mark.parametrize("isa", PATHS)
+def test_native_backend_keeps_gate_up_in_bf16_only_on_the_rounding_paths(isa, monkeypatch, rng):
+    """Between a forward and its backward the op keeps the gate/up pre-activations: bf16 on the
+    paths that round the products' inputs to bf16 (half the bytes every layer holds until its
+    backward), fp32 on the fp32 paths; the backward reads them back either way (the per-path test
+    above checks its results)."""
+    need(isa)
+    monkeypatch.setenv("KT_FT_NATIVE_ISA", isa)
+    base, lora, x, ids, w, _ = make_problem(17, 4, 2, 32, 16, 4, torch.bfloat16, seeded(rng))
+    backend = BACKENDS["native"]()
+    backend.prepare(base, threads=1)
+    _, ctx = backend.forward(x, ids, w, base, lora, 2.0, needs_grad=True)
+    want = torch.bfloat16 if isa in nt.ROUNDS_TO_BF16 else torch.float32
+    assert ctx.gu.dtype == want and ctx.p.dtype == torch.float32, (isa, ctx.gu.dtype)

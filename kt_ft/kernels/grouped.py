@@ -111,9 +111,7 @@ class _Ctx:
     gu: torch.Tensor  # [N, 2I] gate/up pre-activations (LoRA included)
     p: torch.Tensor  # [N, 2r] xs @ A_gu^T
     pd: torch.Tensor  # [N, r] h @ Ad^T
-    lora: LoraTensors  # compute-dtype copies
-    a_gu: torch.Tensor  # [E, 2r, H]
-    b_gu: torch.Tensor  # [E, 2I, 2r] block-diagonal
+    lora: LoraTensors  # compute-dtype copies (A_gu, B_gu are made from them again: not kept)
     shape: tuple[int, int]  # (T, k)
     scaling: float
     saved: _SavedBuffers  # owner of gu, p, pd
@@ -207,6 +205,10 @@ class GroupedTorchBackend(ExpertBackend):
             for g in layout.groups:
                 fn(g)
 
+    def _saved_gu_dtype(self, base: ExpertWeights, dt: torch.dtype) -> torch.dtype:
+        """Dtype gu is kept in between a forward and its backward: the compute dtype."""
+        return dt
+
     def _take_saved(self) -> _SavedBuffers:
         if self._free:
             saved = self._free.pop()
@@ -244,7 +246,9 @@ class GroupedTorchBackend(ExpertBackend):
         # [N, H]: scratch, not saved (the backward gathers it again from x: ``_Ctx.x``)
         xs = torch.index_select(x.to(dt), 0, tok, out=_WS.get("f_xs", (n_pairs, hidden), dt))
 
-        gu = buf("gu", two_i)
+        keep_dt = self._saved_gu_dtype(base, dt)
+        # gu in the compute dtype; kept for the backward as it is, or (keep_dt narrower) a copy is
+        gu = buf("gu", two_i) if keep_dt == dt else _WS.get("f_gu", (n_pairs, two_i), dt)
         p = buf("p", 2 * rank)
         self._for_groups(
             layout,
@@ -258,6 +262,8 @@ class GroupedTorchBackend(ExpertBackend):
         # fault per 4 KiB at its first write (~200k faults a DeepSeek-V2-Lite layer at 2,048 tokens)
         h = torch.ops.aten.silu.out(gu[:, :inter], out=_WS.get("h", (n_pairs, inter), dt))
         h.mul_(gu[:, inter:])
+        if keep_dt != dt and saved is not None:
+            gu = saved.view("gu", (n_pairs, two_i), keep_dt).copy_(gu)
         d = _WS.get("f_d", (n_pairs, hidden), dt)
         pd = buf("pd", rank)
         self._for_groups(
@@ -274,9 +280,7 @@ class GroupedTorchBackend(ExpertBackend):
         out = torch.bmm(weights.to(dt).view(t, 1, k), d_tok).view(t, hidden)
         if not needs_grad:
             return out, None
-        return out, _Ctx(
-            base, x, tok, inv, layout, ws, gu, p, pd, lc, a_gu, b_gu, (t, k), s, saved, saved.generation
-        )
+        return out, _Ctx(base, x, tok, inv, layout, ws, gu, p, pd, lc, (t, k), s, saved, saved.generation)
 
     def backward(self, ctx: _Ctx, grad_out: torch.Tensor):
         if not isinstance(ctx, _Ctx):  # a grouped_variant context
@@ -287,14 +291,17 @@ class GroupedTorchBackend(ExpertBackend):
                 "same layer (a second backward through an old graph after a new forward is not supported)"
             )
         base, lc, s, ws = ctx.base, ctx.lora, ctx.scaling, ctx.ws
-        dt = ctx.gu.dtype
+        dt = ctx.p.dtype  # the compute dtype (gu may be kept narrower: _saved_gu_dtype)
         acc = accum_dtype(dt)
         t, k = ctx.shape
         n_pairs, hidden = ctx.tok.numel(), ctx.x.shape[1]
         rank = lc.gate_a.shape[1]
         inter = ctx.gu.shape[1] // 2
         num_experts = lc.gate_a.shape[0]
-        g, u = ctx.gu[:, :inter], ctx.gu[:, inter:]
+        gu = ctx.gu if ctx.gu.dtype == dt else _WS.get("b_gu", tuple(ctx.gu.shape), dt).copy_(ctx.gu)
+        g, u = gu[:, :inter], gu[:, inter:]
+        a_gu = torch.cat([lc.gate_a, lc.up_a], dim=1)
+        b_gu = _block_diag_b(lc.gate_b, lc.up_b)
         # [N, I] temporaries in workspace buffers (no page faults: see the forward's h)
         silu_g = torch.ops.aten.silu.out(g, out=_WS.get("b_silu", (n_pairs, inter), dt))
         h = torch.mul(silu_g, u, out=_WS.get("h", (n_pairs, inter), dt))
@@ -343,14 +350,14 @@ class GroupedTorchBackend(ExpertBackend):
         self._for_groups(
             lay,
             lambda g: g.put(db_gu, torch.bmm(g.view(dgu).transpose(1, 2), g.view(ctx.p))),
-            lambda g: torch.bmm(g.view(dgu), g.pick(ctx.b_gu), out=g.view(dp)),
+            lambda g: torch.bmm(g.view(dgu), g.pick(b_gu), out=g.view(dp)),
         )
         dp.mul_(s)
         xs = torch.index_select(ctx.x.to(dt), 0, ctx.tok, out=_WS.get("b_xs", (n_pairs, hidden), dt))
         self._for_groups(
             lay,
             lambda g: g.put(da_gu, torch.bmm(g.view(dp).transpose(1, 2), g.view(xs))),
-            lambda g: torch.bmm(g.view(dp), g.pick(ctx.a_gu), out=g.view(dxs)),
+            lambda g: torch.bmm(g.view(dp), g.pick(a_gu), out=g.view(dxs)),
         )
         self._gate_up_grad(lay, base, dgu, dxs)
         _zero_null_rows(dxs, lay.counts)

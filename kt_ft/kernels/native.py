@@ -128,6 +128,13 @@ def best_isa() -> str:
     return {v: k for k, v in ISAS.items()}.get(code, str(code))
 
 
+def active_isa() -> str:
+    """The path the GEMMs take now: ``KT_FT_NATIVE_ISA`` where it names one (checked as a call
+    would), else ``best_isa()``."""
+    code = _isa(None)
+    return best_isa() if code == 0 else {v: k for k, v in ISAS.items()}[code]
+
+
 def runnable_isas() -> list[str]:
     """Every path this CPU runs, slowest first (``scalar`` .. ``best_isa()``)."""
     best = ISAS[best_isa()]

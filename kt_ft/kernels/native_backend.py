@@ -9,7 +9,8 @@ runs at ~1 GFLOP/s while fp32 GEMMs run at tens; an fp32 copy of the weights wou
 experts' RAM. Everything else (the rank-r LoRA products, activations, routing sums) stays in
 torch, in fp32.
 
-Differences from ``torch``: activations and temporaries are fp32 (twice the bytes of bf16 ones),
+Differences from ``torch``: activations and temporaries are fp32 (twice the bytes of bf16 ones;
+on the AMX / AVX512-BF16 paths the gate/up pre-activations kept for the backward are bf16),
 and the padding rows of each expert (``ROW_PAD``: kept, as they let the LoRA products run one
 ``bmm`` per group of experts with equal padded counts) are not computed by the base products, only
 zeroed (padding was for oneDNN's per-shape kernel cache; here it would be computed for nothing:
@@ -81,6 +82,15 @@ class NativeBackend(GroupedTorchBackend):
 
     def _compute_dtype(self, base: ExpertWeights) -> torch.dtype:
         return torch.float32 if self._native(base) else base.gate_up.dtype
+
+    def _saved_gu_dtype(self, base: ExpertWeights, dt: torch.dtype) -> torch.dtype:
+        # the gate/up pre-activations wait in RAM from a layer's forward to its backward, every
+        # layer at once: bf16 halves them (DeepSeek-V2-Lite at 2,048 tokens: 72 MiB a layer less)
+        # at one narrowing and one widening pass, on the paths that round the products' inputs to
+        # bf16 anyway (AMX, AVX512-BF16); the fp32 paths keep fp32 (their results stay fp32-exact)
+        if self._native(base) and native.active_isa() in native.ROUNDS_TO_BF16:
+            return BF16
+        return dt
 
     def _grouped(self, trans_w: bool, layout: _Layout, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor):
         # one call per product kind for all experts: one thread team, work balanced across experts
