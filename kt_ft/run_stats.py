@@ -13,10 +13,12 @@ cached block was freed and the allocation tried again: a device sync and a cudaF
 
 from __future__ import annotations
 
+import resource
 from typing import Any
 
 import torch
 
+from .kernels.grouped import _WS, GroupedTorchBackend
 from .log import fmt_bytes
 from .moe.experts import KTExperts
 
@@ -77,10 +79,6 @@ def host_stats(model: torch.nn.Module) -> str:
     """Where host memory went: the process's peak resident set (``ru_maxrss``), the CUDA host
     (pinned) allocator's peak reserve, and what the CPU op keeps between calls (its layers'
     backward state, its shared scratch buffers)."""
-    import resource
-
-    from .kernels.grouped import _WS, GroupedTorchBackend
-
     parts = [f"host: peak RSS {fmt_bytes(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}"]
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         try:

@@ -117,7 +117,11 @@ def test_interface_type_trains_or_is_refused(model_type):
     checked = 0
     for n, p in model.named_parameters():
         if p.requires_grad and n in ref_params and ref_params[n].grad is not None:
-            torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=1e-4, atol=1e-6, msg=n)
+            # fp32, summed in another order: within 1e-4 relative, or 1e-4 of the tensor's largest
+            # entry (an embedding row summed over many tokens can cancel to near zero)
+            want = ref_params[n].grad
+            atol = max(1e-6, 1e-4 * float(want.abs().max()))
+            torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
             checked += 1
     assert checked > 0
 
