@@ -40,6 +40,11 @@ from .grouped_layout import ROW_PAD, _Group, _Layout, _route_layout, _zero_null_
 from .grouped_variant import variant_backward, variant_forward
 
 
+def _nbytes(bufs: dict) -> int:
+    """Bytes of the tensors a buffer dict holds (the run summary reports them)."""
+    return sum(b.numel() * b.element_size() for b in bufs.values())
+
+
 class _Workspace:
     """Scratch buffers for a call's temporaries, kept mapped between calls.
 
@@ -63,8 +68,7 @@ class _Workspace:
         return buf[:numel].view(shape)
 
     def nbytes(self) -> int:
-        """Bytes the buffers hold now (the run summary reports them)."""
-        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+        return _nbytes(self._bufs)
 
 
 _WS = _Workspace()
@@ -94,7 +98,7 @@ class _SavedBuffers:
         return buf[:numel].view(shape)
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.flat.values())
+        return _nbytes(self.flat)
 
 
 @dataclass

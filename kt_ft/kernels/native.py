@@ -32,6 +32,7 @@ from . import native_build
 # one's: avx2 (AVX2+FMA), avx512 (AVX-512F), avx512bf16 (AVX512-BF16/BW/VL), amx (AMX-BF16 + the
 # OS's tile permission)
 ISAS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4, "amx": 5}
+_ISA_NAMES = {code: name for name, code in ISAS.items()}
 # paths that round the fp32 activations to bf16 (to nearest even) before their products
 ROUNDS_TO_BF16 = ("avx512bf16", "amx")
 PACKAGED_DIR = Path(__file__).resolve().parent / "_native"
@@ -125,14 +126,14 @@ def best_isa() -> str:
     """The fastest path the library runs on this CPU and OS: ``amx``, ``avx512bf16``, ``avx512``,
     ``avx2`` or ``scalar`` (CPUID and XGETBV, read by the library)."""
     code = library().ktft_best_isa()
-    return {v: k for k, v in ISAS.items()}.get(code, str(code))
+    return _ISA_NAMES.get(code, str(code))
 
 
 def active_isa() -> str:
     """The path the GEMMs take now: ``KT_FT_NATIVE_ISA`` where it names one (checked as a call
     would), else ``best_isa()``."""
     code = _isa(None)
-    return best_isa() if code == 0 else {v: k for k, v in ISAS.items()}[code]
+    return best_isa() if code == 0 else _ISA_NAMES[code]
 
 
 def runnable_isas() -> list[str]:
