@@ -1,0 +1,50 @@
+"""Time one CPU expert op call (forward + backward) at a preset's shape, with the page faults and
+system time it costs (fresh large allocations fault once per 4 KiB page at their first write).
+
+python3 scripts/op_faults.py [--preset deepseek-v2-lite] [--tokens 2048] [--backend native] [--threads N] [--runs 3]
+"""
+
+import argparse
+import resource
+import time
+
+import torch
+
+from kt_ft.bench.op import PRESETS, random_layer
+from kt_ft.kernels import BACKENDS
+from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--preset", default="deepseek-v2-lite")
+ap.add_argument("--tokens", type=int, default=2048)
+ap.add_argument("--backend", default="native")
+ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+ap.add_argument("--runs", type=int, default=3)
+a = ap.parse_args()
+torch.set_num_threads(a.threads)
+p = PRESETS[a.preset]
+gen = torch.Generator().manual_seed(0)
+base, lora = random_layer(p, 8, gen)
+x = torch.randn(a.tokens, p.hidden, generator=gen).bfloat16()
+w, ids = torch.rand(a.tokens, p.experts, generator=gen).topk(p.top_k, -1)
+w = w.bfloat16()
+gy = torch.randn_like(x)
+runner = ExpertRunner(BACKENDS[a.backend](), base, 2.0, a.tokens, a.threads)
+params = [t.clone().requires_grad_() for t in lora]
+
+
+def step():
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    CPUExpertsFunction.apply(xx, ids, ww, runner, *params).backward(gy)
+
+
+step()  # first call: buffers made, kernels built
+for _ in range(a.runs):
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    step()
+    ms, r1 = 1e3 * (time.perf_counter() - t0), resource.getrusage(resource.RUSAGE_SELF)
+    print(
+        f"{a.backend} {a.preset} {a.tokens} tokens, {a.threads} threads: {ms:.0f} ms, "
+        f"{r1.ru_minflt - r0.ru_minflt} page faults, system {r1.ru_stime - r0.ru_stime:.2f} s, "
+        f"user {r1.ru_utime - r0.ru_utime:.2f} s"
+    )
