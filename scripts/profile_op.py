@@ -9,8 +9,7 @@ import time
 import torch
 
 from kt_ft.bench.op import PRESETS, random_layer
-from kt_ft.kernels import BACKENDS
-from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
+from kt_ft.moe.op_timing import op_step
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -21,21 +20,7 @@ a = ap.parse_args()
 torch.set_num_threads(a.threads)
 p = PRESETS[a.preset]
 gen = torch.Generator().manual_seed(0)
-base, lora = random_layer(p, 8, gen)
-x = torch.randn(a.tokens, p.hidden, generator=gen).bfloat16()
-w, ids = torch.rand(a.tokens, p.experts, generator=gen).topk(p.top_k, -1)
-w = w.bfloat16()
-gy = torch.randn_like(x)
-runner = ExpertRunner(BACKENDS[a.backend](), base, 2.0, a.tokens, a.threads)
-params = [t.clone().requires_grad_() for t in lora]
-
-
-def step():
-    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-    out = CPUExpertsFunction.apply(xx, ids, ww, runner, *params)
-    t0 = time.perf_counter()
-    out.backward(gy)
-    return time.perf_counter() - t0
+step = op_step(p, random_layer(p, 8, gen), a.backend, a.tokens, a.threads, gen)  # returns the backward's s
 
 
 step()

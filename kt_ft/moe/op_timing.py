@@ -55,10 +55,9 @@ def random_layer(p: Preset, rank: int, gen: torch.Generator):
     return base, lora
 
 
-def time_op(
-    p: Preset, layer, backend: str, tokens: int, threads: int, repeat: int, gen: torch.Generator
-) -> float:
-    """Best seconds of the op's forward (with saved state) + backward on ``tokens`` random tokens."""
+def op_step(p: Preset, layer, backend: str, tokens: int, threads: int, gen: torch.Generator):
+    """A function that runs the op's forward (with saved state) + backward once on ``tokens``
+    random tokens of ``layer`` and returns the backward's seconds."""
     base, lora = layer
     x = torch.randn(tokens, p.hidden, generator=gen).to(torch.bfloat16)
     scores = torch.rand(tokens, p.experts, generator=gen)
@@ -68,10 +67,20 @@ def time_op(
     runner = ExpertRunner(BACKENDS[backend](), base, 2.0, chunk_size=max(tokens, 1), threads=threads)
     params = [t.clone().requires_grad_() for t in lora]
 
-    def step():
+    def step() -> float:
         xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
-        CPUExpertsFunction.apply(xx, ids, ww, runner, *params).backward(gy)
+        out = CPUExpertsFunction.apply(xx, ids, ww, runner, *params)
+        t0 = time.perf_counter()
+        out.backward(gy)
         for q in params:
             q.grad = None
+        return time.perf_counter() - t0
 
-    return best_time(step, repeat)
+    return step
+
+
+def time_op(
+    p: Preset, layer, backend: str, tokens: int, threads: int, repeat: int, gen: torch.Generator
+) -> float:
+    """Best seconds of the op's forward (with saved state) + backward on ``tokens`` random tokens."""
+    return best_time(op_step(p, layer, backend, tokens, threads, gen), repeat)
