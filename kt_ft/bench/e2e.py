@@ -667,8 +667,11 @@ def _one_line(r: E2ERecord) -> str:
     tok = f"{r.tok_s:,.0f} tok/s" if r.tok_s else "no rate"
     gpu = f", GPU peak {r.gpu_peak_bytes / GIB:.1f} GiB" if r.gpu_peak_bytes else ""
     load = f" (before training {r.host_peak_load_bytes / GIB:.1f})" if r.host_peak_load_bytes else ""
-    load += f", CPU op {r.cpu_op_micro_s * 1e3:.0f} ms a micro-batch" if r.cpu_op_micro_s else ""
-    return f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}, {r.seconds:.0f} s {r.note}"
+    op = f", CPU op {r.cpu_op_micro_s * 1e3:.0f} ms a micro-batch" if r.cpu_op_micro_s else ""
+    return (
+        f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}{op}, {r.seconds:.0f} s "
+        f"{r.note}"
+    )
 
 
 def write_json(path: str, records: list[E2ERecord], cutoff_len: int, grad_accum: int, threads: int) -> None:
