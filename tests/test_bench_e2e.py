@@ -99,9 +99,11 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
         assert len(r["losses"]) == 2 and r["losses"][0] == r["first_loss"]
         # the trainer's start line was seen: the host peak before it is known and within the run's
         assert 0 < r["host_peak_load_bytes"] <= r["host_peak_bytes"], r
-        # kt-ft runs state their CPU op's time (the run summary line), a share of the micro-batch
+        # kt-ft runs state their CPU op's time (the run summary line): an average over every
+        # micro-batch, the first step's warm-up included, so its total is bounded by the run's wall
+        # time (not by the later steps' rate, which leaves the first step out)
         if r["system"].startswith("kt-cpu"):
-            assert 0 < r["cpu_op_micro_s"] < r["measured_micro_s"], r
+            assert 0 < r["cpu_op_micro_s"] * r["steps_logged"] * r["grad_accum"] < r["seconds"], r
     a, b = records["kt-cpu:torch"]["first_loss"], records["peft"]["first_loss"]
     assert abs(a - b) <= 1e-4 * abs(b), (a, b)
     # the same model with its routed experts in int8 (per-channel: ~0.4% of each weight) runs on the
