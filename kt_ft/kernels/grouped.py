@@ -209,6 +209,43 @@ class GroupedTorchBackend(ExpertBackend):
             for g in layout.groups:
                 fn(g)
 
+    # --- the activation between the products (the native backend fuses each into one pass) ---------
+
+    def _activation(
+        self, base: ExpertWeights, gu: torch.Tensor, h: torch.Tensor, keep: torch.Tensor | None
+    ) -> None:
+        """h [N, I] = silu(gu[:, :I]) * gu[:, I:] (gu [N, 2I], the compute dtype); ``keep`` (a
+        narrower dtype, or None) gets a copy of gu for the backward."""
+        inter = h.shape[1]
+        torch.ops.aten.silu.out(gu[:, :inter], out=h)
+        h.mul_(gu[:, inter:])
+        if keep is not None:
+            keep.copy_(gu)
+
+    def _activation_backward(
+        self, base: ExpertWeights, gu: torch.Tensor, q: torch.Tensor, ws: torch.Tensor, dgu: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From gu [N, 2I] (as kept: possibly narrower than the compute dtype), q [N, I] (the grad of
+        h per unit routing weight) and ws [N, 1] (routing weights): writes dgu [N, 2I] (the grads of
+        gate and up for dh = ws q) and returns (h = silu(g) u [N, I], grad_ws = rowsum(h q) [N] in
+        the accumulation dtype). h lives in the workspace; q may be overwritten."""
+        dt, n_pairs, inter = q.dtype, q.shape[0], q.shape[1]
+        if gu.dtype != dt:
+            gu = _WS.get("b_gu", tuple(gu.shape), dt).copy_(gu)
+        g, u = gu[:, :inter], gu[:, inter:]
+        silu_g = torch.ops.aten.silu.out(g, out=_WS.get("b_silu", (n_pairs, inter), dt))
+        h = torch.mul(silu_g, u, out=_WS.get("h", (n_pairs, inter), dt))
+        # dY.d with d = h Wd^T + s (h Ad^T) Bd^T is h.q. Summed in the compute dtype (its CPU
+        # reduction accumulates in float32) and then widened: sum(dtype=float32) first copied the
+        # [N, I] product to float32 (2.5x slower for this line)
+        hq = torch.mul(h, q, out=_WS.get("b_nI", (n_pairs, inter), dt))
+        grad_ws = hq.sum(-1).to(accum_dtype(dt))
+        dh = q.mul_(ws)  # [N, I] grad of h
+        dhu = torch.mul(dh, u, out=hq)
+        torch.ops.aten.silu_backward(dhu, g, grad_input=dgu[:, :inter])
+        torch.mul(dh, silu_g, out=dgu[:, inter:])
+        return h, grad_ws
+
     def _saved_gu_dtype(self, base: ExpertWeights, dt: torch.dtype) -> torch.dtype:
         """Dtype gu is kept in between a forward and its backward: the compute dtype."""
         return dt
@@ -264,10 +301,10 @@ class GroupedTorchBackend(ExpertBackend):
 
         # [N, I] in a workspace buffer: a fresh allocation this size comes from the OS and pays a page
         # fault per 4 KiB at its first write (~200k faults a DeepSeek-V2-Lite layer at 2,048 tokens)
-        h = torch.ops.aten.silu.out(gu[:, :inter], out=_WS.get("h", (n_pairs, inter), dt))
-        h.mul_(gu[:, inter:])
-        if keep_dt != dt and saved is not None:
-            gu = saved.view("gu", (n_pairs, two_i), keep_dt).copy_(gu)
+        h = _WS.get("h", (n_pairs, inter), dt)
+        keep = saved.view("gu", (n_pairs, two_i), keep_dt) if keep_dt != dt and saved is not None else None
+        self._activation(base, gu, h, keep)
+        gu = gu if keep is None else keep
         d = _WS.get("f_d", (n_pairs, hidden), dt)
         pd = buf("pd", rank)
         self._for_groups(
@@ -302,13 +339,8 @@ class GroupedTorchBackend(ExpertBackend):
         rank = lc.gate_a.shape[1]
         inter = ctx.gu.shape[1] // 2
         num_experts = lc.gate_a.shape[0]
-        gu = ctx.gu if ctx.gu.dtype == dt else _WS.get("b_gu", tuple(ctx.gu.shape), dt).copy_(ctx.gu)
-        g, u = gu[:, :inter], gu[:, inter:]
         a_gu = torch.cat([lc.gate_a, lc.up_a], dim=1)
         b_gu = _block_diag_b(lc.gate_b, lc.up_b)
-        # [N, I] temporaries in workspace buffers (no page faults: see the forward's h)
-        silu_g = torch.ops.aten.silu.out(g, out=_WS.get("b_silu", (n_pairs, inter), dt))
-        h = torch.mul(silu_g, u, out=_WS.get("h", (n_pairs, inter), dt))
         gys = torch.index_select(grad_out.to(dt), 0, ctx.tok, out=_WS.get("b_gys", (n_pairs, hidden), dt))
 
         # down projection: qa = dY Bd, q = dY (Wd + s Bd Ad) = dY Wd + s qa Ad: the gradient of the
@@ -322,15 +354,12 @@ class GroupedTorchBackend(ExpertBackend):
             lambda g: g.view(q).baddbmm_(g.view(qa), g.pick(lc.down_a), beta=0, alpha=s),
         )
         self._down_grad(lay, base, gys, q)
-        # dY.d with d = h Wd^T + s (h Ad^T) Bd^T is h.q. Summed in the compute dtype (its CPU
-        # reduction accumulates in float32) and then widened: sum(dtype=float32) first copied the
-        # [N, I] product to float32 (2.5x slower for this line)
-        hq = torch.mul(h, q, out=_WS.get("b_nI", (n_pairs, inter), dt))
-        grad_ws = hq.sum(-1).to(acc)  # [N]
-        hq = None
+        # the activation's backward: h again, dgu, and the routing-weight gradient h.q
+        dgu = _WS.get("b_dgu", (n_pairs, 2 * inter), dt)
+        h, grad_ws = self._activation_backward(base, ctx.gu, q, ws, dgu)
+        q = None
         dpd = qa.mul_(ws).mul_(s)  # [N, r] grad of pd = h Ad^T (qa is not needed any more)
         wpd = ctx.pd * ws * s  # [N, r]: dBd = dY^T (s w pd)
-        dh = q.mul_(ws)  # [N, I] grad of h
         grads = {n: torch.empty(w.shape, dtype=dt) for n, w in lc._asdict().items()}
 
         self._for_groups(
@@ -338,14 +367,7 @@ class GroupedTorchBackend(ExpertBackend):
             lambda g: g.put(grads["down_b"], torch.bmm(g.view(gys).transpose(1, 2), g.view(wpd))),
             lambda g: g.put(grads["down_a"], torch.bmm(g.view(dpd).transpose(1, 2), g.view(h))),
         )
-        gys = h = q = None  # free h and the views
-
-        dgu = _WS.get("b_dgu", (n_pairs, 2 * inter), dt)
-        dhu = torch.mul(dh, u, out=_WS.get("b_nI", (n_pairs, inter), dt))
-        torch.ops.aten.silu_backward(dhu, g, grad_input=dgu[:, :inter])
-        dhu = None
-        torch.mul(dh, silu_g, out=dgu[:, inter:])
-        del dh, silu_g
+        gys = h = None  # free the views
 
         dxs = _WS.get("b_dxs", (n_pairs, hidden), dt)
         dp = torch.empty(n_pairs, 2 * rank, dtype=dt)

@@ -5,6 +5,8 @@ to bf16 before multiplying: ``ROUNDS_TO_BF16``).
 * ``gemm_bf16_nt(x, w, out, beta)``: out[M, N] = beta * out + x[M, K] @ w[N, K]^T (forward);
 * ``gemm_bf16_nn(dy, w, out, beta)``: out[M, K] = beta * out + dy[M, N] @ w[N, K] (backward);
 * ``grouped_bf16(...)``: one product per expert over row ranges of shared buffers, one call;
+* ``silu_mul_forward`` / ``silu_mul_backward``: the experts' activation and its backward, each one
+  pass over the rows (``kernels/expert_act.cpp``);
 * ``dequant_fp8_block(q, scale, out)``, ``dequant_int8_rows(q, scale, out)``: block-scaled FP8 /
   per-channel INT8 expert weights to bf16 / fp32 (``kernels/dequant.cpp``; ``kt_ft.quant.formats``
   calls them for weights kept quantized).
@@ -70,6 +72,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ktft_grouped_gemm_bf16.argtypes = [
         *(_int, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64),
         *(_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _f32, _int, _int),
+    ]
+    lib.ktft_silu_mul_fwd.restype = _int
+    lib.ktft_silu_mul_fwd.argtypes = [_i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _int]
+    lib.ktft_silu_mul_bwd.restype = _int
+    lib.ktft_silu_mul_bwd.argtypes = [
+        *(_i64, _i64, _ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _int, _int)
     ]
     lib.ktft_dequant_fp8_block.restype = _int
     lib.ktft_dequant_fp8_block.argtypes = [
@@ -271,6 +279,79 @@ def grouped_bf16(
     )  # fmt: skip
     _call_status(code, isa)
     return out
+
+
+def _check_rows(what: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu":
+        raise ValueError(
+            f"native {what}: {name} must be {dtype} {shape} on the CPU, got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
+    if (
+        len(shape) == 2
+        and shape[1] > 1
+        and t.stride(1) != 1
+        or len(shape) == 1
+        and shape[0] > 1
+        and t.stride(0) != 1
+    ):
+        raise ValueError(f"native {what}: {name} must have contiguous rows, got strides {t.stride()}")
+
+
+def silu_mul_forward(
+    gu: torch.Tensor,
+    h: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """h = silu(gu[:, :I]) * gu[:, I:] (``kernels/expert_act.cpp``, one pass). gu fp32 [N, 2I], h fp32
+    [N, I]; ``keep`` bf16 [N, 2I] or None: also gets gu rounded to bf16 (nearest even). Rows
+    contiguous (any row stride). Returns h."""
+    n, two_i = gu.shape
+    _check_rows("silu_mul_forward", "gu", gu, torch.float32, (n, two_i))
+    _check_rows("silu_mul_forward", "h", h, torch.float32, (n, two_i // 2))
+    if keep is not None:
+        _check_rows("silu_mul_forward", "keep", keep, torch.bfloat16, (n, two_i))
+    code = library().ktft_silu_mul_fwd(
+        n, two_i // 2, gu.data_ptr(), gu.stride(0), h.data_ptr(), h.stride(0),
+        None if keep is None else keep.data_ptr(), 0 if keep is None else keep.stride(0),
+        _threads(threads), _isa(isa),
+    )  # fmt: skip
+    _call_status(code, isa)
+    return h
+
+
+def silu_mul_backward(
+    gu: torch.Tensor,
+    q: torch.Tensor,
+    w: torch.Tensor,
+    h: torch.Tensor,
+    dgu: torch.Tensor,
+    grad_w: torch.Tensor,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """The experts' activation backward in one pass (``kernels/expert_act.cpp``). gu [N, 2I] fp32 or
+    bf16 (g | u), q fp32 [N, I] (the gradient of h per unit routing weight), w fp32 [N] (each
+    row's routing weight) -> h = silu(g) u fp32 [N, I], dgu fp32 [N, 2I] (the gradients of g and u
+    for dh = w q) and grad_w fp32 [N] (the row sums of h q, fp32). Returns grad_w."""
+    n, two_i = gu.shape
+    what = "silu_mul_backward"
+    if gu.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native {what}: gu must be float32 or bfloat16, got {gu.dtype}")
+    _check_rows(what, "gu", gu, gu.dtype, (n, two_i))
+    _check_rows(what, "q", q, torch.float32, (n, two_i // 2))
+    _check_rows(what, "w", w, torch.float32, (n,))
+    _check_rows(what, "h", h, torch.float32, (n, two_i // 2))
+    _check_rows(what, "dgu", dgu, torch.float32, (n, two_i))
+    _check_rows(what, "grad_w", grad_w, torch.float32, (n,))
+    code = library().ktft_silu_mul_bwd(
+        n, two_i // 2, gu.data_ptr(), int(gu.dtype == torch.bfloat16), gu.stride(0), q.data_ptr(), q.stride(0),
+        w.data_ptr(), h.data_ptr(), h.stride(0), dgu.data_ptr(), dgu.stride(0), grad_w.data_ptr(),
+        _threads(threads), _isa(isa),
+    )  # fmt: skip
+    _call_status(code, isa)
+    return grad_w
 
 
 def _checked_dequant(what: str, q, q_dtype, scale, out, scale_shape) -> tuple[int, int, int]:

@@ -6,8 +6,10 @@ multiplied as bf16 with the activations rounded to bf16 and fp32 sums (AVX512-BF
 
 Why: on a CPU without native bf16 arithmetic (AVX2, no AVX512-BF16/AMX) torch's bf16 matmul
 runs at ~1 GFLOP/s while fp32 GEMMs run at tens; an fp32 copy of the weights would double the
-experts' RAM. Everything else (the rank-r LoRA products, activations, routing sums) stays in
-torch, in fp32.
+experts' RAM. The activation between the products (silu(g) * u forward; its backward with the
+routing-weight gradient) is one C++ pass each way (``kernels/expert_act.cpp``: ~9 torch passes over
+[pairs, I] arrays in the backward). Everything else (the rank-r LoRA products, routing sums, gathers)
+stays in torch, in fp32.
 
 Differences from ``torch``: activations and temporaries are fp32 (twice the bytes of bf16 ones;
 on the AMX / AVX512-BF16 paths the gate/up pre-activations kept for the backward are bf16),
@@ -25,7 +27,7 @@ import torch
 from ..errors import KTConfigError
 from . import native
 from .base import ExpertWeights
-from .grouped import GroupedTorchBackend, _Layout
+from .grouped import _WS, GroupedTorchBackend, _Layout
 
 BF16 = torch.bfloat16
 
@@ -91,6 +93,21 @@ class NativeBackend(GroupedTorchBackend):
         if self._native(base) and native.active_isa() in native.ROUNDS_TO_BF16:
             return BF16
         return dt
+
+    def _activation(self, base, gu, h, keep):
+        if not self._native(base):
+            return super()._activation(base, gu, h, keep)
+        native.silu_mul_forward(gu, h, keep, threads=self._threads)
+
+    def _activation_backward(self, base, gu, q, ws, dgu):
+        if not self._native(base):
+            return super()._activation_backward(base, gu, q, ws, dgu)
+        n_pairs, inter = q.shape
+        h = _WS.get("h", (n_pairs, inter), q.dtype)
+        grad_ws = native.silu_mul_backward(
+            gu, q, ws.view(-1), h, dgu, torch.empty(n_pairs, dtype=torch.float32), threads=self._threads
+        )
+        return h, grad_ws
 
     def _grouped(self, trans_w: bool, layout: _Layout, w: torch.Tensor, a: torch.Tensor, out: torch.Tensor):
         # one call per product kind for all experts: one thread team, work balanced across experts
