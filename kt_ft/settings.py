@@ -57,6 +57,13 @@ _ALL = (
     ),
     Setting("KT_FT_OVERLAP_SHARED", "1", "0: shared experts are not started beside the CPU expert op"),
     Setting(
+        "KT_FT_MMAP_THRESHOLD",
+        "4M",
+        "glibc's mmap threshold for a kt-ft training process (bytes, or K/M): larger blocks are mapped per use "
+        "instead of kept in the heaps, where freed space stays resident (kt_ft/host_alloc.py); 0: glibc's "
+        "adaptive default",
+    ),
+    Setting(
         "KT_FT_MEASURE_BACKEND",
         "1",
         "0: kt_backend auto takes the first CPU backend of a fixed order that runs here instead of timing "

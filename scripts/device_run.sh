@@ -72,7 +72,9 @@ for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
     d=$(dirname "$f"); cp "$f" "$OUT/e2e-logs/$preset-$(basename "$d").log"
     [[ -f $d/host_memory.csv ]] && cp "$d/host_memory.csv" "$OUT/e2e-logs/$preset-$(basename "$d")-host.csv"; done
   tar -czf "$OUT/e2e-logs-$preset.tgz" -C "$OUT" e2e-logs && rm -rf "$OUT/e2e-logs"
-  rm -rf "/tmp/e2e-$preset"/model*  # the disk holds one full-size model (and its quantized copy) at a time
+  # the disk holds one full-size model (and its quantized copy) at a time; E2E_KEEP_MODEL=1 keeps it for a
+  # second call of this script in the same command (e.g. the same systems under another setting)
+  [[ ${E2E_KEEP_MODEL:-0} == 1 ]] || rm -rf "/tmp/e2e-$preset"/model*
 done
 [[ -d /tmp/e2e-prof ]] && tar -czf "$OUT/e2e-prof.tgz" -C /tmp e2e-prof
 # generation through LF's do_predict (GEN_PRESET at GEN_LAYERS, empty = full depth; GEN_SYSTEM): the merged

@@ -7,6 +7,8 @@ to bf16 before multiplying: ``ROUNDS_TO_BF16``).
 * ``grouped_bf16(...)``: one product per expert over row ranges of shared buffers, one call;
 * ``silu_mul_forward`` / ``silu_mul_backward``: the experts' activation and its backward, each one
   pass over the rows (``kernels/expert_act.cpp``);
+* ``gather_rows`` / ``combine_rows``: token order -> expert order (widening bf16) and back (the
+  routing-weighted sum over a token's slots), one pass each (``kernels/expert_rows.cpp``);
 * ``dequant_fp8_block(q, scale, out)``, ``dequant_int8_rows(q, scale, out)``: block-scaled FP8 /
   per-channel INT8 expert weights to bf16 / fp32 (``kernels/dequant.cpp``; ``kt_ft.quant.formats``
   calls them for weights kept quantized).
@@ -79,6 +81,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ktft_silu_mul_bwd.argtypes = [
         *(_i64, _i64, _ptr, _int, _i64, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _int, _int)
     ]
+    lib.ktft_gather_rows.restype = _int
+    lib.ktft_gather_rows.argtypes = [_i64, _i64, _ptr, _int, _i64, _ptr, _ptr, _i64, _int, _int]
+    lib.ktft_combine_rows.restype = _int
+    lib.ktft_combine_rows.argtypes = [_i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int]
     lib.ktft_dequant_fp8_block.restype = _int
     lib.ktft_dequant_fp8_block.argtypes = [
         *(_i64, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _int, _int)
@@ -352,6 +358,67 @@ def silu_mul_backward(
     )  # fmt: skip
     _call_status(code, isa)
     return grad_w
+
+
+def _check_index(what: str, idx: torch.Tensor, n: int, bound: int) -> None:
+    if idx.dtype != torch.int64 or idx.dim() != 1 or idx.numel() != n or not idx.is_contiguous():
+        raise ValueError(
+            f"native {what}: the index must be contiguous int64 [{n}], got {idx.dtype} {tuple(idx.shape)}"
+        )
+    if n and (int(idx.min()) < 0 or int(idx.max()) >= bound):  # a wrong index would read outside src
+        raise ValueError(f"native {what}: an index is outside 0..{bound - 1}")
+
+
+def gather_rows(
+    src: torch.Tensor,
+    idx: torch.Tensor,
+    out: torch.Tensor,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """out[r] = src[idx[r]] widened to fp32 (``kernels/expert_rows.cpp``, one pass): src bf16 or fp32
+    [T, C], idx int64 [N], out fp32 [N, C]; rows contiguous. Returns out."""
+    what = "gather_rows"
+    if src.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"native {what}: src must be float32 or bfloat16, got {src.dtype}")
+    _check_rows(what, "src", src, src.dtype, (src.shape[0], src.shape[1]))
+    _check_rows(what, "out", out, torch.float32, (idx.numel(), src.shape[1]))
+    _check_index(what, idx, idx.numel(), src.shape[0])
+    code = library().ktft_gather_rows(
+        idx.numel(), src.shape[1], src.data_ptr(), int(src.dtype == torch.bfloat16), src.stride(0), idx.data_ptr(),
+        out.data_ptr(), out.stride(0), _threads(threads), _isa(isa),
+    )  # fmt: skip
+    _call_status(code, isa)
+    return out
+
+
+def combine_rows(
+    src: torch.Tensor,
+    inv: torch.Tensor,
+    weights: torch.Tensor | None,
+    out: torch.Tensor,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_j weights[t, j] * src[inv[t k + j]] (``kernels/expert_rows.cpp``, one pass, fp32
+    sums in slot order): src fp32 [N, C], inv int64 [T k], weights fp32 [T, k] or None (all 1),
+    out fp32 [T, C]. Returns out."""
+    what = "combine_rows"
+    t, cols = out.shape
+    k = inv.numel() // max(t, 1)
+    _check_rows(what, "src", src, torch.float32, (src.shape[0], cols))
+    _check_rows(what, "out", out, torch.float32, (t, cols))
+    _check_index(what, inv, t * k, src.shape[0])
+    if weights is not None:
+        _check_rows(what, "weights", weights, torch.float32, (t, k))
+        if not weights.is_contiguous():
+            raise ValueError(f"native {what}: weights must be contiguous, got strides {weights.stride()}")
+    code = library().ktft_combine_rows(
+        t, k, cols, src.data_ptr(), src.stride(0), inv.data_ptr(), None if weights is None else weights.data_ptr(),
+        out.data_ptr(), out.stride(0), _threads(threads), _isa(isa),
+    )  # fmt: skip
+    _call_status(code, isa)
+    return out
 
 
 def _checked_dequant(what: str, q, q_dtype, scale, out, scale_shape) -> tuple[int, int, int]:

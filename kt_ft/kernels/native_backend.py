@@ -8,8 +8,9 @@ Why: on a CPU without native bf16 arithmetic (AVX2, no AVX512-BF16/AMX) torch's 
 runs at ~1 GFLOP/s while fp32 GEMMs run at tens; an fp32 copy of the weights would double the
 experts' RAM. The activation between the products (silu(g) * u forward; its backward with the
 routing-weight gradient) is one C++ pass each way (``kernels/expert_act.cpp``: ~9 torch passes over
-[pairs, I] arrays in the backward). Everything else (the rank-r LoRA products, routing sums, gathers)
-stays in torch, in fp32.
+[pairs, I] arrays in the backward), and so are the row moves between token and expert order
+(``kernels/expert_rows.cpp``: the gathers, widening bf16 rows, and the routing-weighted sums).
+The rank-r LoRA products stay in torch, in fp32.
 
 Differences from ``torch``: activations and temporaries are fp32 (twice the bytes of bf16 ones;
 on the AMX / AVX512-BF16 paths the gate/up pre-activations kept for the backward are bf16),
@@ -93,6 +94,20 @@ class NativeBackend(GroupedTorchBackend):
         if self._native(base) and native.active_isa() in native.ROUNDS_TO_BF16:
             return BF16
         return dt
+
+    def _gather(self, base, src, idx, out):
+        if not self._native(base) or src.dtype not in (torch.float32, BF16):
+            return super()._gather(base, src, idx, out)
+        return native.gather_rows(src, idx, out, threads=self._threads)
+
+    def _combine(self, base, src, inv, weights, t):
+        if not self._native(base):
+            return super()._combine(base, src, inv, weights, t)
+        # a fresh [T, C] result (it leaves the op: the runner hands it on)
+        out = torch.empty(t, src.shape[1], dtype=torch.float32)
+        return native.combine_rows(
+            src, inv, None if weights is None else weights.contiguous(), out, threads=self._threads
+        )
 
     def _activation(self, base, gu, h, keep):
         if not self._native(base):

@@ -22,6 +22,7 @@ from ..checkpoint.manifest import CHECKPOINT_DIR
 from ..core import KTConfig, apply, plan_for, resolve_rule
 from ..distributed import setup_data_parallel
 from ..errors import KTConfigError
+from ..host_alloc import apply as apply_host_alloc
 from ..hparams import recipe_source
 from ..log import fmt_bytes, get_logger
 from ..models import family_of
@@ -65,6 +66,7 @@ def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
     """Before any weight is read: plan on a meta skeleton (rule errors stop here), and with CUDA
     load the routed experts straight into CPU RAM and the rest straight to the training GPU."""
 
+    apply_host_alloc(logger)  # before the weights load: the heaps' policy for the whole run
     family = family_of(config)
     current = init_kwargs.get("device_map")
     single = isinstance(current, dict) and list(current) == [""]
