@@ -122,13 +122,18 @@ class _Ctx:
     generation: int  # saved.generation when this context was made
 
 
-def _block_diag_b(gate_b: torch.Tensor, up_b: torch.Tensor) -> torch.Tensor:
-    """[E, I, r] x2 -> [E, 2I, 2r] with gate_b top-left and up_b bottom-right."""
-    e, inter, rank = gate_b.shape
-    out = gate_b.new_zeros(e, 2 * inter, 2 * rank)
-    out[:, :inter, :rank] = gate_b
-    out[:, inter:, rank:] = up_b
-    return out
+def _gate_up_lora(lc: LoraTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A_gu = [Ag; Au] [E, 2r, H], B_gu = diag(Bg, Bu) [E, 2I, 2r]: gate_b top-left, up_b bottom-right),
+    in workspace buffers (a call's temporaries: ~20 MB a DeepSeek-V2-Lite layer)."""
+    e, inter, rank = lc.gate_b.shape
+    dt = lc.gate_b.dtype
+    a_gu = torch.cat(
+        [lc.gate_a, lc.up_a], dim=1, out=_WS.get("lora_a_gu", (e, 2 * rank, lc.gate_a.shape[2]), dt)
+    )
+    b_gu = _WS.get("lora_b_gu", (e, 2 * inter, 2 * rank), dt).zero_()
+    b_gu[:, :inter, :rank] = lc.gate_b
+    b_gu[:, inter:, rank:] = lc.up_b
+    return a_gu, b_gu
 
 
 class GroupedTorchBackend(ExpertBackend):
@@ -295,8 +300,7 @@ class GroupedTorchBackend(ExpertBackend):
         t, k = ids.shape
         s = scaling
         lc = LoraTensors(*(w.detach().to(dt) for w in lora))
-        a_gu = torch.cat([lc.gate_a, lc.up_a], dim=1)
-        b_gu = _block_diag_b(lc.gate_b, lc.up_b)
+        a_gu, b_gu = _gate_up_lora(lc)
 
         tok, inv, ws, layout = _route_layout(ids, weights.to(dt), num_experts, row_pad=self.row_pad)
         n_pairs = tok.numel()
@@ -360,14 +364,13 @@ class GroupedTorchBackend(ExpertBackend):
         rank = lc.gate_a.shape[1]
         inter = ctx.gu.shape[1] // 2
         num_experts = lc.gate_a.shape[0]
-        a_gu = torch.cat([lc.gate_a, lc.up_a], dim=1)
-        b_gu = _block_diag_b(lc.gate_b, lc.up_b)
+        a_gu, b_gu = _gate_up_lora(lc)
         gys = self._gather(base, grad_out, ctx.tok, _WS.get("b_gys", (n_pairs, hidden), dt))
 
         # down projection: qa = dY Bd, q = dY (Wd + s Bd Ad) = dY Wd + s qa Ad: the gradient of the
         # expert's input to down per unit routing weight, its LoRA term first (the base adds on)
         q = _WS.get("b_q", (n_pairs, inter), dt)
-        qa = torch.empty(n_pairs, rank, dtype=dt)
+        qa = _WS.get("b_qa", (n_pairs, rank), dt)
         lay = ctx.layout
         self._for_groups(
             lay,
@@ -391,9 +394,9 @@ class GroupedTorchBackend(ExpertBackend):
         gys = h = None  # free the views
 
         dxs = _WS.get("b_dxs", (n_pairs, hidden), dt)
-        dp = torch.empty(n_pairs, 2 * rank, dtype=dt)
-        db_gu = torch.empty(num_experts, 2 * inter, 2 * rank, dtype=dt)
-        da_gu = torch.empty(num_experts, 2 * rank, hidden, dtype=dt)
+        dp = _WS.get("b_dp", (n_pairs, 2 * rank), dt)
+        db_gu = _WS.get("b_db_gu", (num_experts, 2 * inter, 2 * rank), dt)  # gate_b, up_b: scaled copies
+        da_gu = torch.empty(num_experts, 2 * rank, hidden, dtype=dt)  # gate_a, up_a leave the op as its views
         self._for_groups(
             lay,
             lambda g: g.put(db_gu, torch.bmm(g.view(dgu).transpose(1, 2), g.view(ctx.p))),
