@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -770,8 +771,36 @@ int64_t chunk_cols(const Gemm& g, int isa) { return isa == ISA_AMX && !is_nt(g) 
 
 void* aligned_buffer(size_t bytes) { return std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 64), 64)); }
 
+// Buffers kept between calls: the rounded A (a DeepSeek-V2-Lite layer at 2,048 tokens: 35-69 MB a
+// product) and each worker's packing block and AMX scratch. Fresh, they came from the OS at every
+// call (glibc maps blocks this large) and paid a page fault per 4 KiB at first write: ~50k faults
+// a layer's forward and backward. One call at a time uses them (run() holds the lock).
+struct Kept {
+    void* p = nullptr;
+    size_t bytes = 0;
+    void* get(size_t want) {
+        if (want > bytes) {
+            std::free(p);
+            bytes = round_up(std::max<size_t>(want, 64), 64);
+            p = aligned_buffer(bytes);
+        }
+        return p;
+    }
+};
+
+struct Scratch {
+    std::mutex lock;
+    Kept rounded;
+    std::vector<Kept> pack, amx;  // per worker slot
+};
+
+Scratch& scratch() {
+    static Scratch s;
+    return s;
+}
+
 // The bf16 paths' first pass: each product's A rounded to bf16 in its path's layout (g.ap set),
-// work items of 64 rows; returns the buffer (std::free it).
+// work items of 64 rows; returns the buffer (scratch().rounded: kept for the next call).
 bf16* round_inputs(std::vector<Gemm>& gemms, int threads, int isa) {
 #ifdef KTFT_X86
     constexpr int64_t ROWS = 64;
@@ -782,7 +811,7 @@ bf16* round_inputs(std::vector<Gemm>& gemms, int threads, int isa) {
         first[i + 1] = first[i] + (m_pad + ROWS - 1) / ROWS;
     }
     // every element is written below (padding too): no zeroing pass
-    bf16* store = static_cast<bf16*>(aligned_buffer(offset.back() * sizeof(bf16)));
+    bf16* store = static_cast<bf16*>(scratch().rounded.get(offset.back() * sizeof(bf16)));
     for (size_t i = 0; i < gemms.size(); ++i) gemms[i].ap = store + offset[i];
     std::atomic<int64_t> next{0};
     const int64_t items = first.back();
@@ -855,15 +884,23 @@ int run(std::vector<Gemm> gemms, int threads, int isa) {
     const int64_t items = first.back();
     if (items == 0) return isa;
     threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, items)));
-    bf16* rounded = rounds_a(isa) ? round_inputs(gemms, threads, isa) : nullptr;
+    Scratch& kept = scratch();
+    std::lock_guard<std::mutex> hold(kept.lock);  // the kept buffers: one call at a time
+    if (kept.pack.size() < static_cast<size_t>(threads)) {
+        kept.pack.resize(threads);
+        kept.amx.resize(threads);
+    }
+    if (rounds_a(isa)) round_inputs(gemms, threads, isa);
     const size_t bytes = pack_bytes(gemms, isa);
     std::atomic<int64_t> next{0};
+    std::atomic<int> slots{0};
     auto worker = [&]() {
+        const int slot = slots.fetch_add(1);  // this worker's kept buffers
         ThreadBuffers tb;
-        if (bytes) tb.pack = aligned_buffer(bytes);
+        if (bytes) tb.pack = kept.pack[slot].get(bytes);
 #ifdef KTFT_X86
         if (isa == ISA_AMX) {
-            tb.amx = static_cast<AmxScratch*>(aligned_buffer(sizeof(AmxScratch)));
+            tb.amx = static_cast<AmxScratch*>(kept.amx[slot].get(sizeof(AmxScratch)));
             amx_configure();
         }
 #endif
@@ -878,15 +915,10 @@ int run(std::vector<Gemm> gemms, int threads, int isa) {
             if (gm.M > 0) compute(gm, n0, n1, isa, tb);
         }
 #ifdef KTFT_X86
-        if (isa == ISA_AMX) {
-            amx_release();
-            std::free(tb.amx);
-        }
+        if (isa == ISA_AMX) amx_release();
 #endif
-        std::free(tb.pack);
     };
     team(threads, worker);
-    std::free(rounded);
     return isa;
 }
 
