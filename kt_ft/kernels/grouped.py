@@ -388,7 +388,7 @@ class GroupedTorchBackend(ExpertBackend):
         # the weight gradients as [r, X] = (rows^T [r, c]) @ (rows [c, X]) per expert: the product streams
         # the wide operand's rows; the transposed form ([X, c] @ [c, r]) ran at ~10 GFLOP/s on 2 cores
         # (a quarter of the op's LoRA time); transposed back once, small
-        grads_t = {  # [E, r, X] for the B grads (X = H or I), [E, r, H] for the A grads
+        grads_t = {  # the B grads as [E, r, X] (X = H for down, I for gate and up)
             "down_b": _WS.get("b_gdb", (num_experts, rank, hidden), dt),
             "gate_b": _WS.get("b_ggb", (num_experts, rank, inter), dt),
             "up_b": _WS.get("b_gub", (num_experts, rank, inter), dt),
