@@ -546,6 +546,73 @@ constexpr KernelBf16Fn KERNELS_BF16[MR512 + 1] = {
     kernel_bf16<8, NP>,   kernel_bf16<9, NP>,  kernel_bf16<10, NP>, kernel_bf16<11, NP>,
     kernel_bf16<12, NP>};
 
+// NT with W read in place: C^T[n, m] = sum_k W[n, k] A[m, k] over R rows of W (their k pairs
+// broadcast straight from the expert's memory) and MB blocks of 16 rows of A (packed as pairs,
+// pack_a_pairs' layout: for each pair q, 16 rows' pairs in one vector). No packing of W at all;
+// the [R, 16 MB] result is transposed through a small buffer into C's rows.
+template <int R, int MB>
+AVX512BF16 void kernel_bf16_nt(const Gemm& g, int64_t n, int64_t m, const uint32_t* ap, int64_t block_stride,
+                               int mode) {
+    const int64_t full = g.K / 2;  // whole pairs inside W's rows (an odd K's last k: below)
+    __m512 acc[R][MB];
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_setzero_ps();
+    const bf16* w = g.b + n * g.bn;
+    for (int64_t q = 0; q < full; ++q) {
+        __m512bh a[MB];
+        for (int j = 0; j < MB; ++j) a[j] = (__m512bh)_mm512_loadu_si512(ap + j * block_stride + q * 16);
+#pragma GCC unroll 12
+        for (int i = 0; i < R; ++i) {
+            const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(w + i * g.bn + 2 * q)));
+            for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, a[j]);
+        }
+    }
+    if (g.K % 2) {  // the last k alone: W's pair read as (W[n, K-1], 0), never past the row
+        __m512bh a[MB];
+        for (int j = 0; j < MB; ++j) a[j] = (__m512bh)_mm512_loadu_si512(ap + j * block_stride + full * 16);
+        for (int i = 0; i < R; ++i) {
+            const __m512bh wv = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[i * g.bn + g.K - 1]));
+            for (int j = 0; j < MB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, a[j]);
+        }
+    }
+    alignas(64) float t[R][16 * MB];
+    for (int i = 0; i < R; ++i)
+        for (int j = 0; j < MB; ++j) _mm512_store_ps(&t[i][16 * j], acc[i][j]);
+    const int64_t rows = std::min<int64_t>(16 * MB, g.M - m);
+    for (int64_t r = 0; r < rows; ++r) {
+        float* c = g.c + (m + r) * g.ldc + n;
+        for (int i = 0; i < R; ++i) {
+            const float v = t[i][r];
+            c[i] = mode == 0 ? v : mode == 1 ? c[i] + v : g.beta * c[i] + v;
+        }
+    }
+}
+
+typedef void (*KernelBf16NtFn)(const Gemm&, int64_t, int64_t, const uint32_t*, int64_t, int);
+template <int MB>
+constexpr KernelBf16NtFn KERNELS_BF16_NT[MR512 + 1] = {
+    nullptr,                  kernel_bf16_nt<1, MB>,  kernel_bf16_nt<2, MB>,  kernel_bf16_nt<3, MB>,
+    kernel_bf16_nt<4, MB>,    kernel_bf16_nt<5, MB>,  kernel_bf16_nt<6, MB>,  kernel_bf16_nt<7, MB>,
+    kernel_bf16_nt<8, MB>,    kernel_bf16_nt<9, MB>,  kernel_bf16_nt<10, MB>, kernel_bf16_nt<11, MB>,
+    kernel_bf16_nt<12, MB>};
+
+// NT columns [n0, n1), all rows: g.ap is A packed as pairs (pack_a_pairs); W strips of MR512 rows,
+// each over every 32-row block of A (the strip, MR512 x K bf16, stays in L2 meanwhile).
+AVX512BF16 void gemm_avx512bf16_nt(const Gemm& g, int64_t n0, int64_t n1) {
+    const int64_t m_pad = round_up(g.M, 16), block_stride = a_rows_ld(g.K) / 2 * 16;  // uint32s a 16-row block
+    const uint32_t* ap = reinterpret_cast<const uint32_t*>(g.ap);
+    const int mode = first_mode(g.beta);
+    for (int64_t n = n0; n < n1; n += MR512) {
+        const int r = static_cast<int>(std::min<int64_t>(MR512, n1 - n));
+        for (int64_t m = 0; m < m_pad; m += 32) {
+            const bool two = m_pad - m > 16;
+            (two ? KERNELS_BF16_NT<2> : KERNELS_BF16_NT<1>)[r](g, n, m, ap + m / 16 * block_stride, block_stride,
+                                                            mode);
+        }
+    }
+}
+
 // Columns [n0, n1), all rows; g.ap is A in the row-major bf16 layout; pack holds KC_BF16 / 2
 // pairs x NC columns.
 AVX512BF16 void gemm_avx512bf16(const Gemm& g, int64_t n0, int64_t n1, void* pack_mem) {
@@ -822,7 +889,7 @@ bf16* round_inputs(std::vector<Gemm>& gemms, int threads, int isa) {
             const Gemm& gm = gemms[g];
             const int64_t r0 = (it - first[g]) * ROWS, r1 = std::min(round_up(gm.M, 16), r0 + ROWS);
             bf16* dst = store + offset[g];
-            if (isa == ISA_AMX && is_nt(gm))
+            if (is_nt(gm))  // both bf16 paths' NT products read A as pairs (W in place)
                 pack_a_pairs(gm, r0, r1, dst);
             else
                 pack_a_rows(gm, r0, r1, dst);
@@ -849,7 +916,9 @@ void compute(const Gemm& g, int64_t n0, int64_t n1, int isa, ThreadBuffers& tb) 
     switch (isa) {
         case ISA_AVX2: return gemm_avx2(g, n0, n1, tb.pack);
         case ISA_AVX512: return gemm_avx512(g, n0, n1, tb.pack);
-        case ISA_AVX512BF16: return gemm_avx512bf16(g, n0, n1, tb.pack);
+        case ISA_AVX512BF16:
+            if (is_nt(g)) return gemm_avx512bf16_nt(g, n0, n1);
+            return gemm_avx512bf16(g, n0, n1, tb.pack);
         case ISA_AMX:
             if (is_nt(g)) return gemm_amx_nt(g, n0, n1, *tb.amx);
             return gemm_amx_nn(g, n0, n1, *tb.amx, static_cast<bf16*>(tb.pack));
