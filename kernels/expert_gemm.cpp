@@ -18,8 +18,10 @@
 //   * AVX2 + FMA: 6x16 fp32 register tile; a KC x NC block of B is widened to fp32 (a bf16 is the
 //     high half of an fp32: a 16-bit shift) into 16-column panels streamed from L1/L2;
 //   * AVX-512F: the same packing, a 12x32 fp32 tile (24 zmm accumulators, masked edges);
-//   * AVX512-BF16: A is rounded to bf16 (round to nearest even) once per call, B packed as bf16
-//     pairs (VNNI: [k/2][16 columns][2]), vdpbf16ps into a 12x32 fp32 tile;
+//   * AVX512-BF16: A is rounded to bf16 (round to nearest even) once per call; NN packs B as bf16
+//     pairs (VNNI: [k/2][16 columns][2]), vdpbf16ps into a 12x32 fp32 tile; NT computes C^T with
+//     W's k pairs broadcast from the expert's rows in place and A packed as pairs (the AMX
+//     layout), 12 rows of W x 32 rows of A a tile, transposed into C (no packing of W);
 //   * AMX-BF16: A rounded to bf16 as above, 16x32 bf16 tiles, tdpbf16ps into 2x2 fp32 16x16
 //     accumulator tiles over the whole K. NT swaps the operands, C^T = W @ A^T, so the W tiles are
 //     loaded from the expert's weight in place (only edge tiles are copied) and A is packed as
