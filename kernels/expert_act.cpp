@@ -17,21 +17,18 @@
 // differ only in width and in whether a*b+c contracts to an fma.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 
-#include "team.h"
+#include "rows.h"
 
 // the wide vector helpers below are always inlined into functions of their own width: the ABI of
 // an out-of-line call that gcc warns about never happens
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-extern "C" int ktft_best_isa(void);  // expert_gemm.cpp: the best path here, capped by ktft_limit_isa
 
 namespace {
 
-constexpr int ISA_AVX2 = 2, ISA_AVX512 = 3;  // expert_gemm.cpp's Isa codes
 constexpr int64_t ROWS_PER_ITEM = 8;           // a work item: ~8 x 2I x 4 B (~90 KB at I = 1408)
 
 #define KTFT_INLINE __attribute__((always_inline)) inline
@@ -221,52 +218,25 @@ KTFT_INLINE void bwd_row(const Bwd& a, int64_t r) {
                             : bwd_row_t<W>(a, static_cast<const float*>(a.gu) + r * a.ldgu, r);
 }
 
-#if defined(__x86_64__)
-#define T_AVX2 __attribute__((target("avx2,fma")))
-#define T_AVX512 __attribute__((target("avx2,fma,avx512f")))
-#else
-#define T_AVX2
-#define T_AVX512
-#endif
 
 // the row loops per path: the same source at each vector width
 void fwd_base(const Fwd& a, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) fwd_row<4>(a, r);
 }
-T_AVX2 void fwd_avx2(const Fwd& a, int64_t r0, int64_t r1) {
+KTFT_T_AVX2 void fwd_avx2(const Fwd& a, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) fwd_row<8>(a, r);
 }
-T_AVX512 void fwd_avx512(const Fwd& a, int64_t r0, int64_t r1) {
+KTFT_T_AVX512 void fwd_avx512(const Fwd& a, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) fwd_row<16>(a, r);
 }
 void bwd_base(const Bwd& a, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) bwd_row<4>(a, r);
 }
-T_AVX2 void bwd_avx2(const Bwd& a, int64_t r0, int64_t r1) {
+KTFT_T_AVX2 void bwd_avx2(const Bwd& a, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) bwd_row<8>(a, r);
 }
-T_AVX512 void bwd_avx512(const Bwd& a, int64_t r0, int64_t r1) {
+KTFT_T_AVX512 void bwd_avx512(const Bwd& a, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) bwd_row<16>(a, r);
-}
-
-// runs fn(args, r0, r1) over all rows in items of ROWS_PER_ITEM on `threads` threads; the path is
-// the best this CPU runs, capped by `isa` (0: no cap). Returns the path used, -2 for an ISA the
-// CPU lacks (nothing computed).
-template <class A>
-int run_rows(int64_t rows, const A& args, int threads, int isa, void (*base)(const A&, int64_t, int64_t),
-             void (*avx2)(const A&, int64_t, int64_t), void (*avx512)(const A&, int64_t, int64_t)) {
-    const int best = ktft_best_isa();
-    if (isa == 0) isa = best;
-    if (isa < 1 || isa > best) return -2;
-    auto fn = isa >= ISA_AVX512 ? avx512 : isa >= ISA_AVX2 ? avx2 : base;
-    const int64_t items = (rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
-    std::atomic<int64_t> next{0};
-    auto worker = [&]() {
-        for (int64_t it; (it = next.fetch_add(1)) < items;)
-            fn(args, it * ROWS_PER_ITEM, std::min(rows, (it + 1) * ROWS_PER_ITEM));
-    };
-    ktft::team(static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, items))), worker);
-    return isa;
 }
 
 }  // namespace
@@ -279,7 +249,7 @@ extern "C" {
 int ktft_silu_mul_fwd(int64_t rows, int64_t inter, const float* gu, int64_t ldgu, float* h, int64_t ldh,
                       uint16_t* keep, int64_t ldk, int threads, int isa) {
     const Fwd a{inter, gu, ldgu, h, ldh, keep, ldk};
-    return run_rows(rows, a, threads, isa, fwd_base, fwd_avx2, fwd_avx512);
+    return ktft::run_rows(rows, ROWS_PER_ITEM, a, threads, isa, fwd_base, fwd_avx2, fwd_avx512);
 }
 
 // The backward described at the top: gu fp32 (gu_bf16 = 0) or bf16 bits (1) [rows, 2I], q fp32
@@ -289,7 +259,7 @@ int ktft_silu_mul_bwd(int64_t rows, int64_t inter, const void* gu, int gu_bf16, 
                       int64_t ldq, const float* w, float* h, int64_t ldh, float* dgu, int64_t lddgu, float* grad_w,
                       int threads, int isa) {
     const Bwd a{inter, gu, gu_bf16, ldgu, q, ldq, w, h, ldh, dgu, lddgu, grad_w};
-    return run_rows(rows, a, threads, isa, bwd_base, bwd_avx2, bwd_avx512);
+    return ktft::run_rows(rows, ROWS_PER_ITEM, a, threads, isa, bwd_base, bwd_avx2, bwd_avx512);
 }
 
 }  // extern "C"

@@ -11,17 +11,14 @@
 // with plain loops gcc vectorizes at each path's width.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 
-#include "team.h"
+#include "rows.h"
 
-extern "C" int ktft_best_isa(void);  // expert_gemm.cpp: the best path here, capped by ktft_limit_isa
 
 namespace {
 
-constexpr int ISA_AVX2 = 2, ISA_AVX512 = 3;  // expert_gemm.cpp's Isa codes
 constexpr int64_t ROWS_PER_ITEM = 16;
 typedef uint32_t __attribute__((may_alias)) u32_alias;  // fp32 bits written as integers
 
@@ -74,39 +71,13 @@ inline void combine_rows(const Combine& a, int64_t t0, int64_t t1) {
     }
 }
 
-#if defined(__x86_64__)
-#define T_AVX2 __attribute__((target("avx2,fma")))
-#define T_AVX512 __attribute__((target("avx2,fma,avx512f")))
-#else
-#define T_AVX2
-#define T_AVX512
-#endif
 
 void gather_base(const Gather& a, int64_t r0, int64_t r1) { gather_rows(a, r0, r1); }
-T_AVX2 void gather_avx2(const Gather& a, int64_t r0, int64_t r1) { gather_rows(a, r0, r1); }
-T_AVX512 void gather_avx512(const Gather& a, int64_t r0, int64_t r1) { gather_rows(a, r0, r1); }
+KTFT_T_AVX2 void gather_avx2(const Gather& a, int64_t r0, int64_t r1) { gather_rows(a, r0, r1); }
+KTFT_T_AVX512 void gather_avx512(const Gather& a, int64_t r0, int64_t r1) { gather_rows(a, r0, r1); }
 void combine_base(const Combine& a, int64_t r0, int64_t r1) { combine_rows(a, r0, r1); }
-T_AVX2 void combine_avx2(const Combine& a, int64_t r0, int64_t r1) { combine_rows(a, r0, r1); }
-T_AVX512 void combine_avx512(const Combine& a, int64_t r0, int64_t r1) { combine_rows(a, r0, r1); }
-
-// fn(args, r0, r1) over `rows` rows in items of ROWS_PER_ITEM on `threads` threads, on the best
-// path this CPU runs capped by `isa` (0: none). Returns the path used, -2 for one the CPU lacks.
-template <class A>
-int run_rows(int64_t rows, const A& args, int threads, int isa, void (*base)(const A&, int64_t, int64_t),
-             void (*avx2)(const A&, int64_t, int64_t), void (*avx512)(const A&, int64_t, int64_t)) {
-    const int best = ktft_best_isa();
-    if (isa == 0) isa = best;
-    if (isa < 1 || isa > best) return -2;
-    auto fn = isa >= ISA_AVX512 ? avx512 : isa >= ISA_AVX2 ? avx2 : base;
-    const int64_t items = (rows + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
-    std::atomic<int64_t> next{0};
-    auto worker = [&]() {
-        for (int64_t it; (it = next.fetch_add(1)) < items;)
-            fn(args, it * ROWS_PER_ITEM, std::min(rows, (it + 1) * ROWS_PER_ITEM));
-    };
-    ktft::team(static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, items))), worker);
-    return isa;
-}
+KTFT_T_AVX2 void combine_avx2(const Combine& a, int64_t r0, int64_t r1) { combine_rows(a, r0, r1); }
+KTFT_T_AVX512 void combine_avx512(const Combine& a, int64_t r0, int64_t r1) { combine_rows(a, r0, r1); }
 
 }  // namespace
 
@@ -117,7 +88,7 @@ extern "C" {
 int ktft_gather_rows(int64_t rows, int64_t cols, const void* src, int src_bf16, int64_t lds, const int64_t* idx,
                      float* dst, int64_t ldd, int threads, int isa) {
     const Gather a{src, src_bf16, lds, idx, dst, ldd, cols};
-    return run_rows(rows, a, threads, isa, gather_base, gather_avx2, gather_avx512);
+    return ktft::run_rows(rows, ROWS_PER_ITEM, a, threads, isa, gather_base, gather_avx2, gather_avx512);
 }
 
 // out[t, :cols] = sum_{j < k} w[t k + j] * src[inv[t k + j], :cols] for t < tokens (w null: 1),
@@ -125,7 +96,7 @@ int ktft_gather_rows(int64_t rows, int64_t cols, const void* src, int src_bf16, 
 int ktft_combine_rows(int64_t tokens, int64_t k, int64_t cols, const float* src, int64_t lds, const int64_t* inv,
                       const float* w, float* out, int64_t ldo, int threads, int isa) {
     const Combine a{src, lds, inv, w, k, out, ldo, cols};
-    return run_rows(tokens, a, threads, isa, combine_base, combine_avx2, combine_avx512);
+    return ktft::run_rows(tokens, ROWS_PER_ITEM, a, threads, isa, combine_base, combine_avx2, combine_avx512);
 }
 
 }  // extern "C"
