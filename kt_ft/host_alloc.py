@@ -7,7 +7,7 @@ layer's [tokens, hidden] activations, the CPU op's per-call results and gradient
 heaps instead, one heap per thread that allocates (the forward's, autograd's backward thread,
 the loaders'). A heap returns freed memory to the OS only from its top, so blocks that outlive a
 step (each layer's output kept for its backward) pin the freed space below them: the process's
-resident memory grows by GiBs that nothing uses (measured in ``docs/benchmarks.md``).
+resident memory grows by memory nothing uses (``docs/benchmarks.md`` has a measurement).
 
 ``KT_FT_MMAP_THRESHOLD`` fixes the threshold (which also stops its adapting): blocks from that
 size up are mapped and unmapped again. The CPU op's large temporaries come from buffers it keeps
