@@ -292,14 +292,7 @@ def _check_rows(what: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape
         raise ValueError(
             f"native {what}: {name} must be {dtype} {shape} on the CPU, got {t.dtype} {tuple(t.shape)} on {t.device}"
         )
-    if (
-        len(shape) == 2
-        and shape[1] > 1
-        and t.stride(1) != 1
-        or len(shape) == 1
-        and shape[0] > 1
-        and t.stride(0) != 1
-    ):
+    if len(shape) and shape[-1] > 1 and t.stride(-1) != 1:  # rows (or a 1-D tensor) contiguous
         raise ValueError(f"native {what}: {name} must have contiguous rows, got strides {t.stride()}")
 
 
@@ -381,7 +374,9 @@ def gather_rows(
     what = "gather_rows"
     if src.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"native {what}: src must be float32 or bfloat16, got {src.dtype}")
-    _check_rows(what, "src", src, src.dtype, (src.shape[0], src.shape[1]))
+    if src.dim() != 2:
+        raise ValueError(f"native {what}: src must be [T, C], got {tuple(src.shape)}")
+    _check_rows(what, "src", src, src.dtype, tuple(src.shape))
     _check_rows(what, "out", out, torch.float32, (idx.numel(), src.shape[1]))
     _check_index(what, idx, idx.numel(), src.shape[0])
     code = library().ktft_gather_rows(
