@@ -14,6 +14,7 @@ from test_kernels import assert_close, run_backend
 
 from kt_ft.kernels import BACKENDS, LoraTensors
 from kt_ft.kernels.base import ExpertWeights
+from kt_ft.kernels.kt_kernel_backend import chain_backward_order
 from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
 
 REASON = BACKENDS["kt-kernel"].unavailable_reason(torch.bfloat16)
@@ -67,3 +68,44 @@ def test_kt_kernel_skips_masked_pairs(rng):
     got["grad_weights"] = got["grad_weights"].masked_fill(masked, 0)
     truth["grad_weights"] = truth["grad_weights"].masked_fill(masked, 0)
     assert_close(truth, got, 6e-2)
+
+
+@pytest.mark.parametrize("order", ["backward", "forward"])
+def test_kt_kernel_layers_share_one_backward_pool_and_free_the_host_copy(order, rng):
+    """Three layers in a chain (``chain_backward_order``, as ``moe/patch.py`` links them): their
+    backward weights come from one shared pool, each layer's backward done starts the next one's
+    repack, and kt-ft's host copy of each is freed once kt-kernel has loaded it. ``order``: the
+    backwards in the chain's order (the repack prepared ahead is the right one) or in forward order
+    (every guess wrong: each backward repacks its own). Two steps with a LoRA change between,
+    against the float64 reference on a kept copy of the weights."""
+    layers = [make_problem(40, 8, 2, 256, 128, 8, torch.bfloat16, rng) for _ in range(3)]
+    keep = [ExpertWeights(p[0].gate_up.clone(), p[0].down.clone()) for p in layers]
+    runners = [ExpertRunner(BACKENDS["kt-kernel"](), p[0], 2.0, chunk_size=64, threads=4) for p in layers]
+    for r in runners:
+        r.free_base_when_held = True
+    chain_backward_order([r.backend for r in runners])
+    params = [[t.float().clone().requires_grad_() for t in p[1]] for p in layers]
+    for _ in range(2):
+        outs, inputs = [], []
+        for r, ps, (_, _, x, ids, w, _) in zip(runners, params, layers):
+            xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+            outs.append(CPUExpertsFunction.apply(xx, ids, ww, r, *ps))
+            inputs.append((xx, ww))
+        seq = range(3) if order == "forward" else reversed(range(3))
+        for i in seq:
+            outs[i].backward(layers[i][5])
+        for i, (base, _, x, ids, w, gy) in enumerate(layers):
+            cur = LoraTensors(*(p.detach().to(torch.bfloat16) for p in params[i]))
+            truth = truth_of(keep[i], cur, x, ids, w, gy, 2.0)
+            got = {
+                "out": outs[i].float(),
+                "grad_x": inputs[i][0].grad.float(),
+                "grad_weights": inputs[i][1].grad.float(),
+            }
+            got.update({f"grad_{n}": p.grad for n, p in zip(LoraTensors._fields, params[i])})
+            assert_close(truth, got, 6e-2)
+            assert runners[i].base_freed and base.gate_up.untyped_storage().nbytes() == 0
+        with torch.no_grad():
+            for p in (p for ps in params for p in ps):
+                p.add_(torch.randn(p.shape, generator=rng) * 0.05)
+                p.grad = None

@@ -225,6 +225,16 @@ class ExpertBackend(ABC):
     def lora_updated(self) -> None:  # noqa: B027 - optional hook
         """Called after the optimizer changed the LoRA tensors."""
 
+    def holds_base_copy(self) -> bool:
+        """True once the backend keeps a copy of the layer's base weights of its own (kt-kernel's
+        packed one) and never reads the ``ExpertWeights`` it was given again: the runner may then
+        free that host copy (``ExpertRunner.free_base_when_held``)."""
+        return False
+
+    def layer_backward_done(self) -> None:  # noqa: B027 - optional hook
+        """Called once after the backward of every chunk of this layer's call (kt-kernel: start the
+        next layer's backward weight repack, ``kt_kernel_backend.chain_backward_order``)."""
+
     @abstractmethod
     def forward(
         self,

@@ -140,6 +140,12 @@ class KTExperts(nn.Module):
         forward (the previous resident ones' device if there were). Call between steps (the
         re-planner does): a layer's first pass, recompute and backward must see one split."""
         res_ids, st_ids = tuple(sorted(resident_ids)), tuple(sorted(stream_ids))
+        if (res_ids or st_ids) and self.runner.base_freed:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: experts {list(res_ids + st_ids)} cannot move to the GPU: the host copy "
+                f"of this layer's experts was freed once {self.runner.backend.name} held its own "
+                "(ExpertRunner.free_base_when_held, set only for layers whose experts all stay on the CPU)"
+            )
         old_res, old_st = self.resident, self.streamed
         base = self.runner.base
         if old_res is None or old_res.ids != res_ids:

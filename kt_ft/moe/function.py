@@ -30,9 +30,12 @@ from collections.abc import Iterator
 import torch
 
 from ..kernels.base import ExpertBackend, ExpertWeights, LoraTensors
+from ..log import fmt_bytes, get_logger
 from .transfer import STAGING
 
+logger = get_logger(__name__)
 _RUNNER_IDS = itertools.count()
+_FREED = {"layers": 0, "bytes": 0}  # host copies freed in this process (logged at the first)
 GRAD_OUT_KEY = "grad_out"  # pinned buffer of the backward's incoming gradient (read before it returns)
 
 
@@ -62,6 +65,24 @@ def inputs_to_cpu(
     """The op's inputs as detached CPU tensors: no copy when already there, else through the
     pinned buffers ``key``/x, /ids, /w (valid until that key's next use)."""
     return tuple(STAGING.to_host(t, f"{key}/{n}") for t, n in ((x, "x"), (ids, "ids"), (weights, "w")))
+
+
+def _log_base_freed(backend: str, nbytes: int) -> None:
+    _FREED["layers"] += 1
+    _FREED["bytes"] += nbytes
+    if _FREED["layers"] == 1:
+        logger.info(
+            f"{backend} holds its own copy of the routed experts: kt-ft's host copy of each layer whose "
+            f"experts all stay on the CPU is freed once {backend} has loaded it ({fmt_bytes(nbytes)} a layer)"
+        )
+
+
+def _log_base_kept(backend: str, err: Exception) -> None:
+    if _FREED.setdefault("kept", 0) == 0:
+        logger.info(
+            f"{backend} holds its own copy of the routed experts, but kt-ft's cannot be freed ({err}): both stay"
+        )
+    _FREED["kept"] += 1
 
 
 class ExpertRunner:
@@ -95,6 +116,11 @@ class ExpertRunner:
         # accumulation dtype when GPU-resident experts add their part to it)
         self.out_dtype: torch.dtype | None = None
         self.prepared = False
+        # free ``base``'s storage once the backend holds its own copy (``holds_base_copy``): set by
+        # ``moe/patch.py`` for layers whose experts all stay on the CPU under a fixed placement
+        # (resident, streamed or re-planned experts read the host copy later)
+        self.free_base_when_held = False
+        self.base_freed = False
         if prepare:
             self.ensure_prepared()
 
@@ -168,7 +194,25 @@ class ExpertRunner:
                 outs.append(out)
                 ctxs.append(ctx)
         self.busy_s += time.perf_counter() - t0
+        if self.free_base_when_held and not self.base_freed and self.backend.holds_base_copy():
+            self._free_base()
         return (outs[0] if len(outs) == 1 else torch.cat(outs)), ctxs
+
+    def _free_base(self) -> None:
+        """Release the host storage of the layer's base weights (HF's parameters share it): their
+        shapes stay, so parameter counts and state-dict names do not change, but any read fails."""
+        b = self.base
+        tensors = [t for t in (b.gate_up, b.down, b.gate_up_bias, b.down_bias) if t is not None]
+        nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
+        try:
+            for t in tensors:
+                t.untyped_storage().resize_(0)
+        except RuntimeError as e:  # storage not owned by torch's allocator (shared memory, a mapping)
+            self.free_base_when_held = False
+            _log_base_kept(self.backend.name, e)
+            return
+        self.base_freed = True
+        _log_base_freed(self.backend.name, nbytes)
 
     def backward(self, ctxs, grad_out: torch.Tensor):
         t0 = time.perf_counter()
@@ -182,6 +226,7 @@ class ExpertRunner:
                 lora_grads = (
                     gl if lora_grads is None else LoraTensors(*(a.add_(b) for a, b in zip(lora_grads, gl)))
                 )
+            self.backend.layer_backward_done()
         cat = (lambda ts: ts[0]) if len(gxs) == 1 else torch.cat
         self.busy_s += time.perf_counter() - t0
         return cat(gxs), cat(gws), lora_grads

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.base import DEFAULT_SPEC
+from ..kernels.base import DEFAULT_SPEC, ExpertBackend
+from ..kernels.kt_kernel_backend import chain_backward_order
 from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
 from ..placement.homes import lora_home, pick_resident_ids, pick_stream_ids
@@ -92,6 +93,7 @@ def replace_routed_experts(
     # KT_FT_OVERLAP_SHARED=0: the block's own order (shared experts not started beside the CPU op)
     overlap_shared = enabled("KT_FT_OVERLAP_SHARED")
     overlapped: set[str] = set()
+    cpu_backends: list[tuple[int, ExpertBackend]] = []
     for place in plan.experts:
         parent_name, _, child = place.name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -139,6 +141,10 @@ def replace_routed_experts(
                 plan.default_device, bool(ids or stream_ids), keep_on_cpu=place.lora_on_gpu is False
             ),
         )
+        # a layer computed on the CPU alone under a fixed split: a backend with a copy of the weights
+        # of its own (kt-kernel) lets kt-ft's go (``function.py`` ``free_base_when_held``)
+        kt.runner.free_base_when_held = place.placement != "auto" and not ids and not stream_ids
+        cpu_backends.append((place.layer, kt.runner.backend))
         setattr(parent, child, kt)
         if overlap_shared:
             how = install_shared_beside(parent, kt, parent_name)
@@ -153,6 +159,7 @@ def replace_routed_experts(
             "bfloat16", "bf16"
         )
         expert_bytes += kt.base_nbytes()
+    chain_backward_order([b for _, b in sorted(cpu_backends, key=lambda lb: lb[0])])
     if overlapped:
         logger.info(f"shared experts: {'; '.join(sorted(overlapped))} (KT_FT_OVERLAP_SHARED=0 turns it off)")
     names = ", ".join(sorted({b.name for b, _ in backends.values()}))
