@@ -154,7 +154,8 @@ def test_llamafactory_refuses_a_rule_before_reading_weights(demo_assets, tmp_pat
 def test_streamed_experts_equal_transformers_loading_bitwise(family, tmp_path):
     """kt-ft's reading of the routed experts (per-expert, Mixtral w1/w3/w2 or fused keys, as
     ``save_pretrained`` writes each family) gives bitwise transformers' own tensors: fp32 files
-    read as fp32 (byte copy) and as bf16 (one-expert buffer + cast). Every other tensor too."""
+    read as fp32 (byte copy) and as bf16 (one-expert buffer + cast). Every other tensor too. The
+    experts' storage stays resizable (a backend with its own copy frees kt-ft's: test_host_copy.py)."""
     from transformers import AutoModelForCausalLM
 
     from kt_ft.moe.loading import load_planned, plan_expert_reader, planned_device_map
@@ -172,6 +173,9 @@ def test_streamed_experts_equal_transformers_loading_bitwise(family, tmp_path):
         for name, p in want.items():
             assert have[name].device.type == "cpu" and have[name].dtype == p.dtype, name
             assert torch.equal(have[name], p), name
+        for e in plan.experts:
+            for p in got.get_submodule(e.name).parameters():
+                assert p.untyped_storage().resizable(), e.name
 
 
 def test_unreadable_expert_layout_falls_back_with_the_reason(tmp_path, caplog):

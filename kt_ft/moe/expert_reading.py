@@ -16,6 +16,7 @@ buffer and ``copy_``), and after each layer the file range is dropped from the p
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -39,8 +40,12 @@ def _cpu_empty(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.T
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable byte view of contiguous CPU tensor ``t`` (no copy)."""
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    """A writable byte view of contiguous CPU tensor ``t`` (no copy), valid while ``t`` lives.
+    Through ctypes, not ``Tensor.numpy()``: exporting to numpy marks the storage non-resizable for
+    good, and a backend holding its own copy of the weights frees kt-ft's by resizing its storage
+    to 0 (``moe/function.py`` ``ExpertRunner._free_base``)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _read_into(fd: int, offset: int, buf: memoryview, file: Path) -> None:
