@@ -34,9 +34,18 @@ BF16 = torch.bfloat16
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX, where torch's oneDNN bf16 GEMMs are fast (torch's own CPU probe)."""
+    """AVX512-BF16 or AMX, where torch's oneDNN bf16 GEMMs are fast: torch's own CPU probes where
+    this torch has them (2.11 dropped ``_is_avx512_bf16_supported``), else the kernel's CPU flags."""
     cpu = torch._C._cpu
-    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    probes = [getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if all(callable(p) for p in probes):
+        return any(bool(p()) for p in probes)
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class NativeBackend(GroupedTorchBackend):
