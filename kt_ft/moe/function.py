@@ -35,7 +35,7 @@ from .transfer import STAGING
 
 logger = get_logger(__name__)
 _RUNNER_IDS = itertools.count()
-_FREED = {"layers": 0, "bytes": 0}  # host copies freed in this process (logged at the first)
+_FREED = {"freed": 0, "kept": 0}  # layers whose host copy was freed / could not be (logged at the first)
 GRAD_OUT_KEY = "grad_out"  # pinned buffer of the backward's incoming gradient (read before it returns)
 
 
@@ -68,9 +68,8 @@ def inputs_to_cpu(
 
 
 def _log_base_freed(backend: str, nbytes: int) -> None:
-    _FREED["layers"] += 1
-    _FREED["bytes"] += nbytes
-    if _FREED["layers"] == 1:
+    _FREED["freed"] += 1
+    if _FREED["freed"] == 1:
         logger.info(
             f"{backend} holds its own copy of the routed experts: kt-ft's host copy of each layer whose "
             f"experts all stay on the CPU is freed once {backend} has loaded it ({fmt_bytes(nbytes)} a layer)"
@@ -78,7 +77,7 @@ def _log_base_freed(backend: str, nbytes: int) -> None:
 
 
 def _log_base_kept(backend: str, err: Exception) -> None:
-    if _FREED.setdefault("kept", 0) == 0:
+    if _FREED["kept"] == 0:
         logger.info(
             f"{backend} holds its own copy of the routed experts, but kt-ft's cannot be freed ({err}): both stay"
         )
