@@ -76,6 +76,12 @@ _ALL = (
         "numerics",
     ),
     Setting(
+        "KT_FT_CUDA_GRAPHS",
+        "1",
+        "0: a layer whose experts are all resident on the GPU runs its expert work eagerly instead of "
+        "replaying a CUDA graph captured per token count (kt_ft/moe/graphed.py)",
+    ),
+    Setting(
         "KT_FT_DEQUANT_CHUNK_MIB",
         "1024",
         "MiB of experts kept quantized (fp8, int8, ...) that GPU experts dequantize at once for one grouped "

@@ -17,6 +17,8 @@ intermediate, r LoRA rank. The base layout follows ``ExpertWeights.spec`` (``ker
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..log import get_logger
@@ -226,126 +228,158 @@ class FusedGroupedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, ga, gb, ua, ub, da, db, base, scaling, groups, pairs, k, lora_cast):
-        dt = base.gate_up.dtype
-        acc = accum_dtype(dt)
-        spec = base.spec
-        inter = base.intermediate
-        tok = torch.div(pairs, k, rounding_mode="floor")
-        # [G, 2r, H] ([Ag; Au]), [G, 2I, 2r] (Bg, Bu in the gate / up rows, zeros elsewhere), Ad, Bd; dt
-        a_gu, b_gu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)
-        xs = x.to(dt).index_select(0, tok)  # [N, H]
-        quant = getattr(base.gate_up, "fmt", None) is not None  # kept quantized (any layout)
-        # [N, 2I]: through the [G, H, 2I] view of the weights (one grouped product when dense)
-        gu = base_mm(xs, base.gate_up, groups, not spec.transposed)
-        if base.gate_up_bias is not None:
-            gu += base.gate_up_bias.index_select(0, groups.row_expert)
-        pa = grouped_mm(xs, _t(a_gu), groups)  # [N, 2r]: [x Ag^T | x Au^T]
-        # both LoRA B products in one: [pg | pu] [G, 2r, 2I] puts pg Bg^T in the gate columns and
-        # pu Bu^T in the up ones (the other blocks are zeros: exact)
-        gu.add_(grouped_mm(pa, _t(b_gu), groups), alpha=scaling)
-        gs, us = spec.gate_up_cols(inter)
-        g, u = gu[:, gs], gu[:, us]
-        h = gated_act(g, u, spec).contiguous()  # [N, I]
-        pd = grouped_mm(h, _t(ad), groups)  # [N, r]
-        d = base_mm(h, base.down, groups, not spec.transposed)
-        d += scaling * grouped_mm(pd, _t(bd), groups)
-        if base.down_bias is not None:
-            d += base.down_bias.index_select(0, groups.row_expert)
-        ws = w.reshape(-1).index_select(0, pairs).to(acc)  # [N]
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
-        for lo_, hi in _row_slices(d.shape[0]):  # the weighted accum-dtype rows one slice at a time
-            out.index_add_(0, tok[lo_:hi], d[lo_:hi] * ws[lo_:hi, None])  # promoted to ws's accum dtype
-        # quantized weights: their stored tensors are saved (streamed ones are views of a stream
-        # buffer, which the saved-tensor hooks of ``moe/streamed.py`` fetch back at backward), and
-        # the structure to rebuild them on ctx
-        if quant:
-            ctx.quant_base = (base.gate_up.leaves_structure(), base.down.leaves_structure())
-            w_saved = (*base.gate_up.leaves(), *base.down.leaves())
-        else:
-            ctx.quant_base = None
-            w_saved = (base.gate_up, base.down)
-        ctx.n_weights = len(w_saved)
-        ctx.save_for_backward(xs, gu, pa, h, pd, d, ws, tok, pairs, a_gu, b_gu, ad, bd, *w_saved)
-        ctx.meta = (
-            spec,
-            inter,
-            scaling,
-            groups,
-            x.shape,
-            x.dtype,
-            w.shape,
-            w.dtype,
-            [t.dtype for t in (ga, gb, ua, ub, da, db)],
+        out, saved, ctx.meta = fused_forward(
+            x, w, (ga, gb, ua, ub, da, db), base, scaling, groups, pairs, k, lora_cast
         )
+        ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        xs, gu, pa, h, pd, d, ws, tok, pairs, a_gu, b_gu, ad, bd, *w_saved = ctx.saved_tensors
-        if ctx.quant_base is not None:
-            (gu_struct, n_gu), (d_struct, _) = ctx.quant_base
-            w_gu = rebuild_quantized(gu_struct, w_saved[:n_gu])
-            w_d = rebuild_quantized(d_struct, w_saved[n_gu:])
-        else:
-            w_gu, w_d = w_saved
-        # the spec and sizes only: the weights the backward reads come through saved_tensors
-        # (where streamed ones are re-fetched: ``moe/streamed.py``'s saved-tensor hooks)
-        spec, inter, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes = ctx.meta
-        r = ad.shape[1]
-        # dL/dd [N, H] and the routing weights' gradient, a slice of rows at a time: the gathered
-        # fp32 rows of grad_out and d's fp32 copy exist for one slice only (whole, they were 3 x
-        # [N, H] fp32 at once: ~0.4 GiB a Qwen3-30B-A3B layer at 2,048 tokens, which the GPU
-        # memory cap's plan does not hold)
-        gd = torch.empty_like(d)
-        grad_ws = (
-            torch.empty(d.shape[0], dtype=grad_out.dtype, device=d.device)
-            if ctx.needs_input_grad[1]
-            else None
+        grads = fused_backward(
+            grad_out, ctx.saved_tensors, ctx.meta, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         )
-        for lo_, hi in _row_slices(d.shape[0]):
-            gos = grad_out.index_select(0, tok[lo_:hi])  # [n, H] accum dtype
-            if grad_ws is not None:
-                grad_ws[lo_:hi] = (gos * d[lo_:hi]).sum(1)  # promoted to gos's accum dtype
-            gd[lo_:hi] = gos.mul_(ws[lo_:hi, None])
-            del gos
-        grad_w = None
+        return (*grads, None, None, None, None, None, None)
+
+
+class FusedMeta(NamedTuple):
+    """What ``fused_backward`` needs besides the saved tensors: sizes, dtypes and the layout."""
+
+    spec: object
+    inter: int
+    scaling: float
+    groups: Groups
+    x_shape: torch.Size
+    x_dtype: torch.dtype
+    w_shape: torch.Size
+    w_dtype: torch.dtype
+    lora_dtypes: tuple
+    quant_base: tuple | None  # quantized weights: the structure to rebuild them from the saved leaves
+
+
+def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast):
+    """``FusedGroupedExperts``'s forward as a plain function (no autograd; also what a CUDA graph of
+    the layer captures, ``moe/graphed.py``): -> (out [T, H] accum dtype, the saved tensors, meta).
+    Arguments as ``FusedGroupedExperts.apply``'s, ``lora`` the six LoRA tensors."""
+    ga, gb, ua, ub, da, db = lora
+    dt = base.gate_up.dtype
+    acc = accum_dtype(dt)
+    spec = base.spec
+    inter = base.intermediate
+    tok = torch.div(pairs, k, rounding_mode="floor")
+    # [G, 2r, H] ([Ag; Au]), [G, 2I, 2r] (Bg, Bu in the gate / up rows, zeros elsewhere), Ad, Bd; dt
+    a_gu, b_gu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)
+    xs = x.to(dt).index_select(0, tok)  # [N, H]
+    quant = getattr(base.gate_up, "fmt", None) is not None  # kept quantized (any layout)
+    # [N, 2I]: through the [G, H, 2I] view of the weights (one grouped product when dense)
+    gu = base_mm(xs, base.gate_up, groups, not spec.transposed)
+    if base.gate_up_bias is not None:
+        gu += base.gate_up_bias.index_select(0, groups.row_expert)
+    pa = grouped_mm(xs, _t(a_gu), groups)  # [N, 2r]: [x Ag^T | x Au^T]
+    # both LoRA B products in one: [pg | pu] [G, 2r, 2I] puts pg Bg^T in the gate columns and
+    # pu Bu^T in the up ones (the other blocks are zeros: exact)
+    gu.add_(grouped_mm(pa, _t(b_gu), groups), alpha=scaling)
+    gs, us = spec.gate_up_cols(inter)
+    g, u = gu[:, gs], gu[:, us]
+    h = gated_act(g, u, spec).contiguous()  # [N, I]
+    pd = grouped_mm(h, _t(ad), groups)  # [N, r]
+    d = base_mm(h, base.down, groups, not spec.transposed)
+    d += scaling * grouped_mm(pd, _t(bd), groups)
+    if base.down_bias is not None:
+        d += base.down_bias.index_select(0, groups.row_expert)
+    ws = w.reshape(-1).index_select(0, pairs).to(acc)  # [N]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
+    for lo_, hi in _row_slices(d.shape[0]):  # the weighted accum-dtype rows one slice at a time
+        out.index_add_(0, tok[lo_:hi], d[lo_:hi] * ws[lo_:hi, None])  # promoted to ws's accum dtype
+    # quantized weights: their stored tensors are saved (streamed ones are views of a stream
+    # buffer, which the saved-tensor hooks of ``moe/streamed.py`` fetch back at backward), and
+    # the structure to rebuild them on ctx
+    if quant:
+        quant_base = (base.gate_up.leaves_structure(), base.down.leaves_structure())
+        w_saved = (*base.gate_up.leaves(), *base.down.leaves())
+    else:
+        quant_base = None
+        w_saved = (base.gate_up, base.down)
+    saved = (xs, gu, pa, h, pd, d, ws, tok, pairs, a_gu, b_gu, ad, bd, *w_saved)
+    meta = FusedMeta(
+        spec,
+        inter,
+        scaling,
+        groups,
+        x.shape,
+        x.dtype,
+        w.shape,
+        w.dtype,
+        tuple(t.dtype for t in lora),
+        quant_base,
+    )
+    return out, saved, meta
+
+
+def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: bool):
+    """``FusedGroupedExperts``'s backward as a plain function: grad_out [T, H] (accum dtype), the
+    tensors and meta ``fused_forward`` gave -> (grad_x or None, grad_w or None, six LoRA grads)."""
+    xs, gu, pa, h, pd, d, ws, tok, pairs, a_gu, b_gu, ad, bd, *w_saved = saved
+    if meta.quant_base is not None:
+        (gu_struct, n_gu), (d_struct, _) = meta.quant_base
+        w_gu = rebuild_quantized(gu_struct, w_saved[:n_gu])
+        w_d = rebuild_quantized(d_struct, w_saved[n_gu:])
+    else:
+        w_gu, w_d = w_saved
+    # the spec and sizes only: the weights the backward reads come through saved_tensors
+    # (where streamed ones are re-fetched: ``moe/streamed.py``'s saved-tensor hooks)
+    spec, inter, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes, _ = meta
+    r = ad.shape[1]
+    # dL/dd [N, H] and the routing weights' gradient, a slice of rows at a time: the gathered
+    # fp32 rows of grad_out and d's fp32 copy exist for one slice only (whole, they were 3 x
+    # [N, H] fp32 at once: ~0.4 GiB a Qwen3-30B-A3B layer at 2,048 tokens, which the GPU
+    # memory cap's plan does not hold)
+    gd = torch.empty_like(d)
+    grad_ws = torch.empty(d.shape[0], dtype=grad_out.dtype, device=d.device) if needs_w else None
+    for lo_, hi in _row_slices(d.shape[0]):
+        gos = grad_out.index_select(0, tok[lo_:hi])  # [n, H] accum dtype
         if grad_ws is not None:
-            grad_w = torch.zeros(w_shape.numel(), dtype=grad_ws.dtype, device=grad_ws.device)
-            grad_w = grad_w.index_copy_(0, pairs, grad_ws).view(w_shape).to(w_dtype)
-            del grad_ws
-        # down: d = h Wd^T + s (h Ad^T) Bd^T
-        # dh = gd @ Wd [G, H, I]
-        dh = base_mm(gd, w_d, groups, spec.transposed)
-        t = grouped_mm(gd, bd, groups)  # [N, r]: gd @ Bd
-        grad_db = grouped_mm_k(gd.t(), pd, groups).mul_(s)  # [G, H, r]
-        del gd
-        ts = t * s
-        grad_da = grouped_mm_k(ts.t(), h, groups)  # [G, r, I]
-        dh += grouped_mm(ts, ad, groups)
-        gs, us = spec.gate_up_cols(inter)
-        g, u = gu[:, gs], gu[:, us]
-        dg, du = gated_act_backward(dh, g, u, spec)
-        del dh
-        dgu = torch.empty_like(gu)
-        dgu[:, gs], dgu[:, us] = dg, du
-        del dg, du
-        # gate / up LoRA B (the stacked [G, 2I, 2r]: its gate and up blocks), then A ([Ag; Au])
-        grad_bgu = grouped_mm_k(dgu.t(), pa, groups).mul_(s)  # [G, 2I, 2r]
-        dpa = grouped_mm(dgu, b_gu, groups).mul_(s)  # [N, 2r]
-        grad_agu = grouped_mm_k(dpa.t(), xs, groups)  # [G, 2r, H]
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            # dxs = dgu @ Wgu [G, 2I, H]
-            wgu_x = base_mm(dgu, w_gu, groups, spec.transposed)
-            del dgu
-            dxs = wgu_x.add_(grouped_mm(dpa, a_gu, groups))
-            grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)
-            for lo_, hi in _row_slices(dxs.shape[0]):  # the accum-dtype copy one slice at a time
-                grad_x.index_add_(0, tok[lo_:hi], dxs[lo_:hi].to(grad_out.dtype))
-            grad_x = grad_x.to(x_dtype)
-        lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)
-        lora_grads = [g_.to(dtype) for g_, dtype in zip(lo, lora_dtypes)]
-        return (grad_x, grad_w, *lora_grads, None, None, None, None, None, None)
+            grad_ws[lo_:hi] = (gos * d[lo_:hi]).sum(1)  # promoted to gos's accum dtype
+        gd[lo_:hi] = gos.mul_(ws[lo_:hi, None])
+        del gos
+    grad_w = None
+    if grad_ws is not None:
+        grad_w = torch.zeros(w_shape.numel(), dtype=grad_ws.dtype, device=grad_ws.device)
+        grad_w = grad_w.index_copy_(0, pairs, grad_ws).view(w_shape).to(w_dtype)
+        del grad_ws
+    # down: d = h Wd^T + s (h Ad^T) Bd^T
+    # dh = gd @ Wd [G, H, I]
+    dh = base_mm(gd, w_d, groups, spec.transposed)
+    t = grouped_mm(gd, bd, groups)  # [N, r]: gd @ Bd
+    grad_db = grouped_mm_k(gd.t(), pd, groups).mul_(s)  # [G, H, r]
+    del gd
+    ts = t * s
+    grad_da = grouped_mm_k(ts.t(), h, groups)  # [G, r, I]
+    dh += grouped_mm(ts, ad, groups)
+    gs, us = spec.gate_up_cols(inter)
+    g, u = gu[:, gs], gu[:, us]
+    dg, du = gated_act_backward(dh, g, u, spec)
+    del dh
+    dgu = torch.empty_like(gu)
+    dgu[:, gs], dgu[:, us] = dg, du
+    del dg, du
+    # gate / up LoRA B (the stacked [G, 2I, 2r]: its gate and up blocks), then A ([Ag; Au])
+    grad_bgu = grouped_mm_k(dgu.t(), pa, groups).mul_(s)  # [G, 2I, 2r]
+    dpa = grouped_mm(dgu, b_gu, groups).mul_(s)  # [N, 2r]
+    grad_agu = grouped_mm_k(dpa.t(), xs, groups)  # [G, 2r, H]
+    grad_x = None
+    if needs_x:
+        # dxs = dgu @ Wgu [G, 2I, H]
+        wgu_x = base_mm(dgu, w_gu, groups, spec.transposed)
+        del dgu
+        dxs = wgu_x.add_(grouped_mm(dpa, a_gu, groups))
+        grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)
+        for lo_, hi in _row_slices(dxs.shape[0]):  # the accum-dtype copy one slice at a time
+            grad_x.index_add_(0, tok[lo_:hi], dxs[lo_:hi].to(grad_out.dtype))
+        grad_x = grad_x.to(x_dtype)
+    lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)
+    lora_grads = [g_.to(dtype) for g_, dtype in zip(lo, lora_dtypes)]
+    return (grad_x, grad_w, *lora_grads)
 
 
 BACKWARD_SLICE_ROWS = 4096  # rows of (token, expert) pairs a slice of the backward's fp32 work

@@ -32,6 +32,7 @@ import torch
 from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype, lora_key
 from ..kernels.grouped_device import FusedGroupedExperts, Groups, grouped_expert_forward, stack_lora
 from .function import prefetch_grad_out
+from .graphed import LayerGraphs
 from .inner_graph import inner_grads, take_inner
 from .resident import ResidentExperts
 from .streamed import StreamedExperts
@@ -83,6 +84,8 @@ class DeviceExperts:
         self.cpu_follows = len(self.ids) < self.num_experts  # False: the CPU op is skipped entirely
         # device -> the CPU op's expert ids there (``cpu_ids``)
         self._cpu_ids = {torch.device("cpu"): (self._local_cpu < 0).nonzero().flatten()}
+        # CUDA graphs of the expert work, for a layer whose experts are all resident (``graphed.py``)
+        self.graphs: LayerGraphs | None = None
 
     def cpu_ids(self, device: torch.device | None = None) -> torch.Tensor:
         """[E - len(ids)] int64, sorted: the experts the CPU op computes (on ``device``, default
@@ -143,6 +146,12 @@ class DeviceExperts:
         pairs per placement) comes before any product is queued; none when every expert of the
         layer is resident, or every one streamed.
         """
+        if self.graphs is not None and lora_on_device and not self.cpu_follows and self.streamed is None:
+            # every expert resident: the layer's expert work replayed from a CUDA graph where one
+            # is captured for this token count (``graphed.py``); None: run it eagerly below
+            out = self.graphs.run(x, local, weights, tuple(lora), local.shape[1])
+            if out is not None:
+                return lambda: out
         order, parts = self._route(local)
         if not parts:
             zeros = torch.zeros(x.shape[0], x.shape[1], dtype=accum_dtype(self.dtype), device=x.device)

@@ -41,6 +41,7 @@ from ..quant.weights import is_quantized
 from .beside import SharedBeside
 from .device_experts import DeviceExperts, count_ids
 from .function import CPUExpertsFunction, ExpertRunner
+from .graphed import LayerGraphs
 from .resident import ResidentExperts
 from .streamed import StreamedExperts, StreamScheduler
 from .transfer import STAGING
@@ -166,6 +167,8 @@ class KTExperts(nn.Module):
         dev = None
         if self.resident is not None or self.streamed is not None:
             dev = DeviceExperts(base, self.resident, self.streamed)
+            if not dev.cpu_follows and dev.streamed is None:  # every expert resident: graphs may pay
+                dev.graphs = LayerGraphs(dev, self.scaling)
         self.device_experts = dev
         # the CPU op's output is summed with the device part in float32 when there is one
         self.runner.out_dtype = accum_dtype(base.gate_up.dtype) if dev is not None else None

@@ -46,6 +46,7 @@ from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
 from ..moe.backend_pick import pick_for
 from ..moe.experts import KTExperts
+from ..moe.graphed import forbid as forbid_graphs
 from ..processes import topology
 from ..rules.plan import PlacementPlan
 from ..rules.report import CUDA_GROWTH_BYTES, TrainSizes, non_expert_activation_bytes
@@ -192,6 +193,8 @@ def auto_at_start(
         cuda_overhead_bytes=overhead,
     )
     if context is not None and gpu_memory_gib is not None:
+        # the CUDA graphs' memory pool of resident layers is not in the plan: none under a cap
+        forbid_graphs(f"kt_gpu_memory={gpu_memory_gib:g}: their memory pool is not in the plan")
         limit = limit_allocator(device, cap, context + CUDA_GROWTH_BYTES)
         expandable = use_expandable_segments()
         logger.info(

@@ -1,0 +1,419 @@
+"""CUDA graphs of a resident layer's expert work: one replay instead of ~60 kernel launches a pass.
+
+With every routed expert of a layer resident on the GPU, a LLaMA-Factory step is bound by host
+time, not the GPU's: each of the ~20 kernels of ``FusedGroupedExperts``'s forward and ~35 of its
+backward costs its launch and the Python around it (a profiled DeepSeek-V2-Lite step: 128 ms of a
+micro-batch in the experts' host time, 3x transformers' own experts, which have no expert LoRA).
+The work itself has no host sync and fixed shapes for a fixed token count (the routing stays on
+the device: ``torch._grouped_mm``'s offsets), so it is captured once per token count and replayed:
+
+- forward without grad (the first pass of a reentrant-checkpointed layer, evaluation): copy the
+  inputs into static buffers, replay, clone the output;
+- forward with grad (the checkpointed recompute): the same, and the tensors the backward reads stay
+  in the shared buffers, owned by this call until its backward runs;
+- backward: copy the incoming gradient in, replay, clone the gradients out.
+
+Memory: the layers of one shape (``Workspace``) share the static buffers and one graph memory pool
+(the graphs' scratch), about one layer's expert activations. A forward with grad whose buffers are
+still owned by another call's pending backward (no checkpointing: every forward before any
+backward) first copies that call's tensors out for it ("evicts"; its backward then runs eagerly),
+and from then on the workspace runs forwards with grad eagerly, as a run without checkpointing
+holds every layer's tensors anyway. Under saved-tensor hooks (non-reentrant checkpointing, which
+re-creates saved tensors through them) forwards with grad run eagerly: nothing here bypasses them.
+
+Only where it is safe and pays: CUDA, every expert of the layer resident, dense weights, the
+expert LoRA on the GPU, no ``kt_gpu_memory`` cap (the graphs' pool is memory the plan does not
+count), room on the GPU, at most ``MAX_TOKEN_COUNTS`` token counts a layer (variable-length
+micro-batches beyond those run eagerly), and ``KT_FT_CUDA_GRAPHS`` on. Every refusal or failure
+falls back to the eager path (``device_experts.py``), with one log line; the numbers are the same
+kernels' in the same order.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kernels.base import accum_dtype
+from ..kernels.grouped_device import FusedMeta, Groups, _refused, fused_backward, fused_forward, stack_lora
+from ..log import get_logger
+from ..settings import enabled
+
+if TYPE_CHECKING:
+    from .device_experts import DeviceExperts
+
+logger = get_logger(__name__)
+
+MAX_TOKEN_COUNTS = 2  # token counts a layer captures graphs for; calls with others run eagerly
+SEEN_BEFORE_CAPTURE = 1  # eager calls of a token count (which warm its kernels up) before capture
+_N_SAVED = 13  # fused_forward's saved tensors kept in the workspace (the base weights are static)
+_forbidden: str | None = None  # why graphs are off for this process (a GPU memory cap)
+_logged: set[str] = set()
+
+
+def forbid(reason: str) -> None:
+    """Turn graphs off for this process (``reason`` is logged once, at the first layer it stops)."""
+    global _forbidden
+    _forbidden = reason
+
+
+def _log_once(key: str, msg: str) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(msg)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are set (non-reentrant checkpointing, offloading): a forward with
+    grad must then save through them, which the workspace's buffers would bypass."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True  # cannot tell: the safe answer
+    return top(False) is not None
+
+
+class Workspace:
+    """Static buffers (inputs, output, the saved tensors, the gradients) and the graph memory pool
+    shared by every layer of one signature (device, token count, sizes, dtypes)."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.bufs: dict[str, torch.Tensor] = {}
+        self.owner: weakref.ref | None = None  # the _Pending whose saved tensors fill the buffers
+        self.keep_saved = True  # False after an eviction: forwards with grad run eagerly
+
+    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The static buffer ``name`` with ``like``'s shape and dtype (made at the first ask)."""
+        b = self.bufs.get(name)
+        if b is None:
+            b = self.bufs[name] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        elif b.shape != like.shape or b.dtype != like.dtype:
+            raise RuntimeError(
+                f"workspace buffer {name}: {tuple(b.shape)} {b.dtype}, asked {tuple(like.shape)} {like.dtype}"
+            )
+        return b
+
+    def saved(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.bufs[f"saved{i}"] for i in range(_N_SAVED))
+
+    def claim(self, pending: _Pending | None) -> None:
+        """A graph that writes the saved buffers is about to replay for ``pending``: a previous
+        owner still waiting for its backward gets a copy of its tensors first."""
+        old = self.owner() if self.owner is not None else None
+        if old is not None and old is not pending and old.in_workspace:
+            old.saved = tuple(t.clone() for t in self.saved())
+            old.counts = self.bufs["counts"].clone()
+            old.in_workspace = False
+            self.keep_saved = False
+            _log_once(
+                "evict",
+                "CUDA graphs: a forward ran before the backward of the one before it (no gradient "
+                "checkpointing): forwards with grad of resident layers run without graphs from here on",
+            )
+        self.owner = weakref.ref(pending) if pending is not None else None
+
+
+_workspaces: dict[tuple, Workspace] = {}
+
+
+class _Pending:
+    """One forward with grad, until its backward: its tensors in the workspace, or copies."""
+
+    def __init__(self, ws: Workspace, key: tuple, meta: FusedMeta) -> None:
+        self.ws, self.key, self.meta = ws, key, meta
+        self.in_workspace = True
+        self.saved: tuple[torch.Tensor, ...] | None = None
+        self.counts: torch.Tensor | None = None
+
+
+class _Captured:
+    """One captured graph, the workspace it reads and writes, and (forwards) the meta its backward needs."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, ws: Workspace, meta: FusedMeta | None) -> None:
+        self.graph, self.ws, self.meta = graph, ws, meta
+
+
+class LayerGraphs:
+    """The graphs of one layer's resident experts (``DeviceExperts`` with every expert resident)."""
+
+    def __init__(self, dev: DeviceExperts, scaling: float) -> None:
+        self.dev, self.scaling = dev, scaling
+        self.seen: dict[tuple, int] = {}
+        self.graphs: dict[tuple, _Captured] = {}
+        self.off: str | None = None  # why this layer stopped using graphs
+        self.captures = self.replays = 0  # (tests count them)
+        self._ptrs: tuple | None = None
+        self._checked = False  # the layer's fixed conditions (``_layer_fits``) hold
+
+    # -- when ---------------------------------------------------------------------------------
+
+    def _usable(self, x: torch.Tensor, lora) -> bool:
+        if self.off is not None:
+            return False
+        if _forbidden is not None:
+            self._stop(_forbidden)
+            return False
+        if not enabled("KT_FT_CUDA_GRAPHS"):
+            return False
+        base = self.dev.resident.weights
+        if (
+            x.device.type != "cuda"
+            or any(t.device != x.device for t in lora)
+            or base.gate_up.device != x.device
+        ):
+            return False
+        if not self._checked:
+            self._checked = self._layer_fits(x, base)
+            if not self._checked:
+                return False
+        if _refused and any("cuda" in k for k in _refused):
+            self._stop(
+                "torch._grouped_mm refused a product of this run's shapes, which then loops over experts"
+            )
+            return False
+        # the graphs read these addresses: a moved or replaced tensor drops them
+        ptrs = tuple(t.data_ptr() for t in (*lora, base.gate_up, base.down))
+        if ptrs != self._ptrs:
+            self.graphs.clear()
+            self._ptrs = ptrs
+        return True
+
+    def _layer_fits(self, x, base) -> bool:
+        """What holds for the layer's whole life (its resident weights): checked once."""
+        if getattr(base.gate_up, "fmt", None) is not None:
+            self._stop("the experts are kept quantized")
+            return False
+        # a product that loops over experts reads its row counts on the host: no capture. bf16 on
+        # sm90+ is where every product here is one torch._grouped_mm (older GPUs' fallback syncs)
+        if base.gate_up.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+            self._stop(
+                f"{base.gate_up.dtype} experts on sm{''.join(map(str, torch.cuda.get_device_capability(x.device)))}: "
+                "torch._grouped_mm runs without a host sync for bfloat16 on sm90 and newer only"
+            )
+            return False
+        if not enabled("KT_FT_GROUPED_DEVICE"):
+            self._stop("KT_FT_GROUPED_DEVICE=0: the grouped products loop over experts")
+            return False
+        return True
+
+    def _stop(self, reason: str) -> None:
+        self.off = reason
+        self.graphs.clear()
+        _log_once(reason, f"CUDA graphs of resident experts: off ({reason}); the layers run eagerly")
+
+    def run(self, x, local, weights, lora, k: int) -> torch.Tensor | None:
+        """The layer's device share [T, H] in x's dtype from a graph, or None (run eagerly)."""
+        if not self._usable(x, lora):
+            return None
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *lora))
+        if grad and (not self._workspace(x, local, weights, lora).keep_saved or saved_tensor_hooks_active()):
+            return None
+        key = (grad, x.shape[0], k, x.dtype, weights.dtype, local.dtype)
+        if key not in self.graphs:
+            counts = {kk[1] for kk in self.graphs if kk[0] != "backward"}
+            if x.shape[0] not in counts and len(counts) >= MAX_TOKEN_COUNTS:
+                return None
+            self.seen[key] = self.seen.get(key, 0) + 1
+            if self.seen[key] <= SEEN_BEFORE_CAPTURE or not self._capture_forward(
+                key, x, local, weights, lora, grad
+            ):
+                return None
+        if grad:
+            return _GraphedExperts.apply(x, local, weights, *lora, (self, key))
+        return self._replay_forward(key, x, local, weights, None)
+
+    def forward_pending(self, key) -> _Pending:
+        cap = self.graphs[key]
+        return _Pending(cap.ws, key, cap.meta)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _workspace(self, x, local, weights, lora) -> Workspace:
+        base = self.dev.resident.weights
+        sig = (
+            x.device,
+            tuple(x.shape),
+            x.dtype,
+            tuple(local.shape),
+            weights.dtype,
+            tuple(base.gate_up.shape),
+            tuple(base.down.shape),
+            base.gate_up.dtype,
+            tuple((tuple(t.shape), t.dtype) for t in lora),
+        )
+        ws = _workspaces.get(sig)
+        if ws is None:
+            ws = _workspaces[sig] = Workspace()
+        return ws
+
+    def _forward_body(self, x, local, weights, lora, k):
+        """-> (out [T, H] x's dtype, counts [E], fused_forward's saved tensors, its meta)."""
+        dev = self.dev
+        flat = local.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(len(dev.ids), dtype=torch.long, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        groups = Groups(counts, flat.numel())
+
+        def cast(*t):
+            return stack_lora(*t, dev.dtype, dev.spec)
+
+        out, saved, meta = fused_forward(
+            x, weights, lora, dev.resident.weights, self.scaling, groups, order, k, cast
+        )
+        return out.to(x.dtype), counts, saved[:_N_SAVED], meta
+
+    def _room(self, x, nbytes: int) -> bool:
+        """Room for a graph's buffers and scratch (about twice the forward's tensors) and 1 GiB more."""
+        free, _ = torch.cuda.mem_get_info(x.device)
+        cached = torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
+        return free + cached >= 3 * nbytes + 2**30
+
+    def _capture_forward(self, key, x, local, weights, lora, grad: bool) -> bool:
+        ws = self._workspace(x, local, weights, lora)
+        k = key[2]
+        try:
+            # warm-up on a side stream (lazy initialisations stay out of the capture); its tensors
+            # size the static buffers
+            side = torch.cuda.Stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side), torch.no_grad():
+                out, counts, saved, _ = self._forward_body(x, local, weights, lora, k)
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            nbytes = sum(t.numel() * t.element_size() for t in (out, *saved))
+            if not self._room(x, nbytes):
+                _log_once("room", "CUDA graphs of resident experts: not captured, too little free GPU memory")
+                return False
+            sx, sl, sw = ws.buffer("x", x), ws.buffer("local", local), ws.buffer("weights", weights)
+            so = ws.buffer("out", out)
+            s_saved = [ws.buffer(f"saved{i}", t) for i, t in enumerate(saved)] if grad else []
+            s_counts = ws.buffer("counts", counts) if grad else None
+            del out, counts, saved
+            sx.copy_(x), sl.copy_(local), sw.copy_(weights)
+            g = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(g, pool=ws.pool, capture_error_mode="thread_local"):
+                out, counts, saved, meta = self._forward_body(sx, sl, sw, lora, k)
+                so.copy_(out)
+                if grad:
+                    s_counts.copy_(counts)
+                    for dst, src in zip(s_saved, saved):
+                        dst.copy_(src)
+                del out, counts, saved
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            self._stop(f"capture failed: {str(e).splitlines()[0][:200]}")
+            return False
+        # the backward rebuilds the groups from the workspace's counts: none of the capture's tensors kept
+        self.graphs[key] = _Captured(g, ws, meta._replace(groups=None))
+        self.captures += 1
+        _log_once(
+            "captured",
+            f"CUDA graphs: the expert work of resident layers is captured per token count ({x.shape[0]} "
+            "tokens first) and replayed (KT_FT_CUDA_GRAPHS=0: run eagerly)",
+        )
+        return True
+
+    def _replay_forward(self, key, x, local, weights, pending: _Pending | None) -> torch.Tensor:
+        cap = self.graphs[key]
+        ws = cap.ws
+        if key[0]:
+            ws.claim(pending)
+        ws.bufs["x"].copy_(x)
+        ws.bufs["local"].copy_(local)
+        ws.bufs["weights"].copy_(weights)
+        cap.graph.replay()
+        self.replays += 1
+        return ws.bufs["out"].clone()
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def backward(self, pending: _Pending, grad_out, needs_x: bool, needs_w: bool):
+        """-> (grad_x, grad_weights, six LoRA grads) of ``pending``'s forward."""
+        ws, meta = pending.ws, pending.meta
+        acc = accum_dtype(self.dev.dtype)
+        base = self.dev.resident.weights
+        if not pending.in_workspace:  # evicted: its own copies, eagerly
+            if pending.saved is None:
+                raise RuntimeError(
+                    "a second backward through a layer whose resident experts ran from a CUDA graph "
+                    "(retain_graph) is not supported: set KT_FT_CUDA_GRAPHS=0"
+                )
+            m = meta._replace(groups=Groups(pending.counts, pending.saved[0].shape[0]))
+            saved = (*pending.saved, base.gate_up, base.down)
+            pending.saved = None
+            return fused_backward(grad_out.to(acc), saved, m, needs_x, needs_w)
+        bkey = ("backward", pending.key, needs_x, needs_w)
+        if bkey not in self.graphs and not self._capture_backward(bkey, ws, meta, grad_out, needs_x, needs_w):
+            m = meta._replace(groups=Groups(ws.bufs["counts"], ws.bufs["saved0"].shape[0]))
+            out = fused_backward(
+                grad_out.to(acc), (*ws.saved(), base.gate_up, base.down), m, needs_x, needs_w
+            )
+            pending.in_workspace = False
+            ws.owner = None
+            return out
+        ws.bufs["grad_out"].copy_(grad_out)
+        self.graphs[bkey].graph.replay()
+        self.replays += 1
+        pending.in_workspace = False
+        ws.owner = None
+        names = ("grad_x", "grad_w", *(f"grad_lora{i}" for i in range(6)))
+        return tuple(
+            ws.bufs[n].clone() if n in ws.bufs and self._wanted(n, needs_x, needs_w) else None for n in names
+        )
+
+    @staticmethod
+    def _wanted(name: str, needs_x: bool, needs_w: bool) -> bool:
+        return {"grad_x": needs_x, "grad_w": needs_w}.get(name, True)
+
+    def _backward_body(self, ws: Workspace, meta: FusedMeta, go, needs_x, needs_w):
+        base = self.dev.resident.weights
+        m = meta._replace(groups=Groups(ws.bufs["counts"], ws.bufs["saved0"].shape[0]))
+        return fused_backward(go, (*ws.saved(), base.gate_up, base.down), m, needs_x, needs_w)
+
+    def _capture_backward(self, bkey, ws: Workspace, meta: FusedMeta, grad_out, needs_x, needs_w) -> bool:
+        acc = accum_dtype(self.dev.dtype)
+        go = ws.buffer("grad_out", grad_out.to(acc))
+        try:
+            go.copy_(grad_out)
+            dev = go.device
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side), torch.no_grad():
+                grads = self._backward_body(ws, meta, go, needs_x, needs_w)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            names = ("grad_x", "grad_w", *(f"grad_lora{i}" for i in range(6)))
+            dst = {n: ws.buffer(n, g) for n, g in zip(names, grads) if g is not None}
+            del grads
+            g = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(g, pool=ws.pool, capture_error_mode="thread_local"):
+                grads = self._backward_body(ws, meta, go, needs_x, needs_w)
+                for n, t in zip(names, grads):
+                    if t is not None:
+                        dst[n].copy_(t)
+                del grads
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
+            self._stop(f"backward capture failed: {str(e).splitlines()[0][:200]}")
+            return False
+        self.graphs[bkey] = _Captured(g, ws, None)
+        self.captures += 1
+        return True
+
+
+class _GraphedExperts(torch.autograd.Function):
+    """apply(x [T, H], local [T, k] int64, weights [T, k], six LoRA params, (LayerGraphs, key)) ->
+    the layer's device share [T, H] in x's dtype, from the forward graph; backward from the
+    backward graph (or eagerly, when the forward's tensors were evicted)."""
+
+    @staticmethod
+    def forward(ctx, x, local, weights, ga, gb, ua, ub, da, db, lg_key):
+        lg, key = lg_key
+        pending = lg.forward_pending(key)
+        ctx.lg, ctx.pending = lg, pending
+        return lg._replay_forward(key, x, local, weights, pending)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = ctx.lg.backward(ctx.pending, grad, ctx.needs_input_grad[0], ctx.needs_input_grad[2])
+        return grads[0], None, grads[1], *grads[2:], None

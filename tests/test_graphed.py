@@ -1,0 +1,177 @@
+"""CUDA graphs of a resident layer's expert work (kt_ft/moe/graphed.py) against the same layers run
+eagerly (``KT_FT_CUDA_GRAPHS=0``): a tiny bf16 Qwen3-MoE, every expert resident, trained a few
+AdamW steps with reentrant checkpointing (forward without grad, recompute, backward: the graphs'
+path), without checkpointing (a forward with grad evicts the one before it), with non-reentrant
+checkpointing (saved-tensor hooks: no graph for forwards with grad), and with micro-batches of
+three lengths (two token counts captured, the third eager).
+
+Both runs take the same kernels in the same order; they differ only in the order of the float
+atomics of ``index_add_`` (the scatter back to tokens). Bounds: losses rel 1e-3 per step, expert
+LoRA after the steps abs 2e-3 (bf16 model, fp32 LoRA, AdamW eps 1e-3: ``test_resident.adamw``).
+The CUDA cases run on the GPU machine (sm90+: where every product is one grouped product); the CPU
+checks run everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_parity import ATTN, expert_lora
+from test_resident import adamw, kt_layers
+from tiny_models import tiny_model
+
+from kt_ft.models import FAMILIES
+from kt_ft.moe import graphed
+from kt_ft.moe.patch import replace_routed_experts
+from kt_ft.rules import load_rules, make_plan
+
+RANK, ALPHA = 8, 16  # rank 8: bf16 LoRA rows of 16 bytes, which torch._grouped_mm takes
+EVERY = (
+    "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, gpu_experts: 8}\n- default: {device: cuda}\n"
+)
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+needs_sm90 = pytest.mark.skipif(not SM90, reason="needs CUDA sm90+: runs on the GPU machine")
+
+
+def build(rule_path, seed=0):
+    """A tiny bf16 PEFT model (LoRA on attention), every routed expert resident, on CUDA."""
+    from peft import LoraConfig, get_peft_model
+
+    fam = FAMILIES["qwen3_moe"]
+    model = tiny_model("qwen3_moe", seed=seed).to(torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN, lora_dropout=0.0))
+    plan = make_plan(model, load_rules(rule_path), fam, "torch", 2)
+    replace_routed_experts(model, plan, RANK, ALPHA / RANK, 4096, seed=seed + 1)
+    with torch.no_grad():  # non-zero B: the expert LoRA contributes (and trains A) from step 0
+        gen = torch.Generator().manual_seed(seed + 9)
+        for m in kt_layers(model):
+            for n in ("gate_b", "up_b", "down_b"):
+                p = getattr(m, n)
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.05).to(p.device))
+    return model.to("cuda")
+
+
+def train(model, batches, steps, checkpointing):
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+        model.enable_input_require_grads()
+    model.train()
+    opt = adamw(model)
+    losses = []
+    for step in range(steps):
+        ids = batches[step % len(batches)].to("cuda")
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def batches(lengths=(24,)):
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(1, 97, (1, n), generator=gen) for n in lengths]
+
+
+def run_both(tmp_path, monkeypatch, checkpointing, lengths=(24,), steps=4):
+    """(eager losses, graphed losses, eager model, graphed model)."""
+    rule = tmp_path / "every.yaml"
+    rule.write_text(EVERY)
+    graphed._workspaces.clear()
+    monkeypatch.setenv("KT_FT_CUDA_GRAPHS", "0")
+    eager = build(rule)
+    ref = train(eager, batches(lengths), steps, checkpointing)
+    monkeypatch.setenv("KT_FT_CUDA_GRAPHS", "1")
+    model = build(rule)
+    got = train(model, batches(lengths), steps, checkpointing)
+    print(f"losses eager {ref}, graphed {got}")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-3, atol=0)
+    a, b = expert_lora(model), expert_lora(eager)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=2e-3, msg=lambda m, k=k: f"{k}: {m}")
+    assert all(m.device_experts.graphs.replays == 0 for m in kt_layers(eager))
+    return model
+
+
+@needs_sm90
+def test_graphs_train_like_eager_under_reentrant_checkpointing(tmp_path, monkeypatch):
+    """LLaMA-Factory's default: each layer's forward without grad, then its recompute and backward.
+    From the second step on every pass of every layer is a replay (3 graphs a layer)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = run_both(tmp_path, monkeypatch, checkpointing=True, steps=4)
+    layers = kt_layers(model)
+    assert [m.device_experts.graphs.captures for m in layers] == [3, 3]
+    # steps 2-4 replay the forward, the recompute and the backward: 3 passes x 3 steps
+    assert [m.device_experts.graphs.replays for m in layers] == [9, 9]
+    assert all(ws.keep_saved for ws in graphed._workspaces.values())
+
+
+@needs_sm90
+def test_graphs_without_checkpointing_evict_and_fall_back(tmp_path, monkeypatch):
+    """Every forward before any backward: the second layer's forward with grad copies the first
+    layer's tensors out of the shared buffers (whose backward then runs eagerly), and forwards with
+    grad run eagerly from then on."""
+    model = run_both(tmp_path, monkeypatch, checkpointing=None, steps=3)
+    assert [ws.keep_saved for ws in graphed._workspaces.values()] == [False]
+    assert sum(m.device_experts.graphs.replays for m in kt_layers(model)) > 0
+
+
+@needs_sm90
+def test_no_graphs_for_forwards_under_saved_tensor_hooks(tmp_path, monkeypatch):
+    """Non-reentrant checkpointing saves through its hooks in both passes: no graph replays."""
+    model = run_both(tmp_path, monkeypatch, checkpointing=False, steps=3)
+    assert [m.device_experts.graphs.replays for m in kt_layers(model)] == [0, 0]
+
+
+@needs_sm90
+def test_graphs_per_token_count_at_most_two(tmp_path, monkeypatch):
+    """Micro-batches of 24, 40 and 56 tokens in turn: graphs for the first two counts only."""
+    model = run_both(tmp_path, monkeypatch, checkpointing=True, lengths=(24, 40, 56), steps=9)
+    for m in kt_layers(model):
+        counts = {k[1] for k in m.device_experts.graphs.graphs if k[0] != "backward"}
+        assert counts == {24, 40}, counts
+
+
+@needs_sm90
+def test_a_gpu_memory_cap_forbids_graphs(tmp_path, monkeypatch):
+    monkeypatch.setattr(graphed, "_forbidden", "kt_gpu_memory=12: test")
+    rule = tmp_path / "every.yaml"
+    rule.write_text(EVERY)
+    model = build(rule)
+    train(model, batches(), 3, True)
+    assert all(m.device_experts.graphs.replays == 0 for m in kt_layers(model))
+    assert all(m.device_experts.graphs.off == "kt_gpu_memory=12: test" for m in kt_layers(model))
+
+
+def test_saved_tensor_hooks_seen_as_checkpointing_sets_them():
+    """Reentrant checkpointing: no hooks in either pass (the recompute runs plainly under grad);
+    non-reentrant: hooks in both, so the decision is the same in the forward and its recompute."""
+    import torch.utils.checkpoint as cp
+
+    seen = []
+
+    def fn(x):
+        seen.append((torch.is_grad_enabled(), graphed.saved_tensor_hooks_active()))
+        return x * x
+
+    x = torch.randn(3, requires_grad=True)
+    cp.checkpoint(fn, x, use_reentrant=True).sum().backward()
+    assert seen == [(False, False), (True, False)]
+    seen.clear()
+    cp.checkpoint(fn, x, use_reentrant=False).sum().backward()
+    assert seen == [(True, True), (True, True)]
+
+
+def test_layers_on_the_cpu_device_run_eagerly(tmp_path):
+    """Where the "GPU" is the CPU (no CUDA), the graphs stand aside: no capture, no replay."""
+    from test_resident import build as build_fp32
+
+    rule = tmp_path / "every.yaml"
+    rule.write_text(EVERY.replace("gpu_experts: 8", "gpu_experts: 8, backend: torch"))
+    model = build_fp32(rule)
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-device case: machines without CUDA")
+    ids = batches()[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(m.device_experts.graphs is not None for m in kt_layers(model))
+    assert all(m.device_experts.graphs.captures == 0 for m in kt_layers(model))
