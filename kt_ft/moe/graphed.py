@@ -32,17 +32,12 @@ kernels' in the same order.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..kernels.base import accum_dtype
 from ..kernels.grouped_device import FusedMeta, Groups, _refused, fused_backward, fused_forward, stack_lora
 from ..log import get_logger
 from ..settings import enabled
-
-if TYPE_CHECKING:
-    from .device_experts import DeviceExperts
 
 logger = get_logger(__name__)
 
@@ -138,7 +133,7 @@ class _Captured:
 class LayerGraphs:
     """The graphs of one layer's resident experts (``DeviceExperts`` with every expert resident)."""
 
-    def __init__(self, dev: DeviceExperts, scaling: float) -> None:
+    def __init__(self, dev, scaling: float) -> None:  # dev: device_experts.DeviceExperts (its importer)
         self.dev, self.scaling = dev, scaling
         self.seen: dict[tuple, int] = {}
         self.graphs: dict[tuple, _Captured] = {}
