@@ -32,6 +32,7 @@ kernels' in the same order.
 from __future__ import annotations
 
 import weakref
+
 import torch
 
 from ..kernels.base import accum_dtype
