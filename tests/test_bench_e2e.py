@@ -46,6 +46,12 @@ def test_parse_systems_names_the_valid_forms():
     for bad in ("peft+fp8", "kt-auto+gptq", "kt-peer+int8"):
         with pytest.raises(ValueError, match="takes one of fp8, int8, int4 after a kt-ft system"):
             parse_systems(bad)
+    # a kt-ft system with one of kt-ft's settings for its run (two ways of one mechanism, one run)
+    (g,) = parse_systems("kt-auto@24+fp8%KT_FT_CUDA_GRAPHS=0")
+    assert (g.kind, g.cap_gib, g.quant, g.setting) == ("auto", 24, "fp8", ("KT_FT_CUDA_GRAPHS", "0"))
+    for bad in ("kt-auto%KT_FT_NOPE=1", "kt-auto%KT_FT_CUDA_GRAPHS", "peft%KT_FT_CUDA_GRAPHS=1"):
+        with pytest.raises(ValueError, match="suffix takes one of kt-ft's settings"):
+            parse_systems(bad)
 
 
 def test_the_peer_system_gets_llamafactorys_own_keys_and_needs_its_packages(tmp_path):

@@ -134,6 +134,7 @@ def test_graphs_per_token_count_at_most_two(tmp_path, monkeypatch):
 
 @needs_sm90
 def test_a_gpu_memory_cap_forbids_graphs(tmp_path, monkeypatch):
+    monkeypatch.setenv("KT_FT_CUDA_GRAPHS", "1")
     monkeypatch.setattr(graphed, "_forbidden", "kt_gpu_memory=12: test")
     rule = tmp_path / "every.yaml"
     rule.write_text(EVERY)
@@ -162,9 +163,11 @@ def test_saved_tensor_hooks_seen_as_checkpointing_sets_them():
     assert seen == [(True, True), (True, True)]
 
 
-def test_layers_on_the_cpu_device_run_eagerly(tmp_path):
+def test_layers_on_the_cpu_device_run_eagerly(tmp_path, monkeypatch):
     """Where the "GPU" is the CPU (no CUDA), the graphs stand aside: no capture, no replay."""
     from test_resident import build as build_fp32
+
+    monkeypatch.setenv("KT_FT_CUDA_GRAPHS", "1")
 
     rule = tmp_path / "every.yaml"
     rule.write_text(EVERY.replace("gpu_experts: 8", "gpu_experts: 8, backend: torch"))

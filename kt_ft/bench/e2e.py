@@ -17,6 +17,9 @@ there is a GPU, LLaMA-Factory's default gradient checkpointing, kt-ft's default 
 - ``<kt system>+<format>`` (``kt-auto@24+fp8``, ``kt-cpu:torch+int8``, ...): the same system on a
   copy of the model made by ``kt-ft quantize --format <format>`` (fp8, int8, int4), its routed experts
   kept quantized in RAM and on the GPU.
+- ``<kt system>%<SETTING>=<value>`` (``kt-auto%KT_FT_CUDA_GRAPHS=1``): the same system with one of
+  kt-ft's registered settings (``kt_ft/settings.py``) set for its run: two ways of one mechanism
+  measured in one benchmark run.
 - ``kt-peer``: KTransformers' own SFT path, the peer: LLaMA-Factory's native ``use_kt`` with
   transformers-kt, accelerate-kt and kt-kernel (``kt_config: {kt_backend: AMXBF16, kt_num_threads}``),
   kt-ft's start-up hook off (``KT_FT_DISABLE=1``). Those packages replace transformers and
@@ -76,6 +79,7 @@ class System:
     backend: str = "auto"
     cap_gib: float | None = None
     quant: str | None = None  # ``+fp8`` etc.: runs on the model's ``kt-ft quantize`` copy
+    setting: tuple[str, str] | None = None  # ``%NAME=value``: a kt-ft setting for this run
 
     @property
     def use_kt(self) -> bool:
@@ -90,7 +94,15 @@ def parse_systems(text: str) -> list[System]:
     for full in (s.strip() for s in text.split(",")):
         if not full:
             continue
-        raw, _, quant = full.partition("+")
+        head, _, setting = full.partition("%")
+        if setting:
+            name, eq, value = setting.partition("=")
+            if not eq or name not in settings.SETTINGS or not head.startswith("kt-") or head == "kt-peer":
+                raise ValueError(
+                    f"--systems: {full!r}: a '%<SETTING>=<value>' suffix takes one of kt-ft's settings "
+                    f"({', '.join(settings.SETTINGS)}) after a kt-ft system"
+                )
+        raw, _, quant = head.partition("+")
         if quant:
             if quant not in QUANT_FORMATS or not raw.startswith("kt-") or raw == "kt-peer":
                 raise ValueError(
@@ -118,6 +130,8 @@ def parse_systems(text: str) -> list[System]:
             )
         if quant and len(out) > n:
             out[-1] = replace(out[-1], name=full, quant=quant)
+        if setting and len(out) > n:
+            out[-1] = replace(out[-1], name=full, setting=(name, value))
     if not out:
         raise ValueError("--systems: no system named")
     return out
@@ -624,7 +638,7 @@ def run_e2e(
         if not cuda and system.kind in ("auto", "stream", "peer"):
             print(f"skipping {system.name}: needs a CUDA GPU")
             continue
-        run_dir = workdir / "runs" / system.name.replace(":", "-").replace("@", "-at-")
+        run_dir = workdir / "runs" / re.sub(r"[^\w.+-]", "-", system.name.replace("@", "-at-"))
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         recipe = write_recipe(
@@ -635,6 +649,8 @@ def run_e2e(
         # KT_FT_PROFILE=DIR for the bench: each run profiles one step into DIR/<system> (that step
         # is left out of its rate; kt_ft/llamafactory/profile.py)
         env = {"KT_FT_PROFILE": str(Path(prof_root) / run_dir.name)} if prof_root else {}
+        if system.setting is not None:
+            env[system.setting[0]] = system.setting[1]
         if system.kind == "peer":
             path = os.pathsep.join(p for p in (str(peer_site), os.environ.get("PYTHONPATH", "")) if p)
             env = {"PYTHONPATH": path, "KT_FT_DISABLE": "1"}
