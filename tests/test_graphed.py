@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_parity import ATTN, expert_lora
-from test_resident import adamw, kt_layers
+from test_resident import kt_layers
+from test_resident import train as train_on
 from tiny_models import tiny_model
 
 from kt_ft.models import FAMILIES
@@ -52,20 +53,8 @@ def build(rule_path, seed=0):
 
 
 def train(model, batches, steps, checkpointing):
-    if checkpointing is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
-        model.enable_input_require_grads()
-    model.train()
-    opt = adamw(model)
-    losses = []
-    for step in range(steps):
-        ids = batches[step % len(batches)].to("cuda")
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    """``test_resident.train`` on CUDA; ``checkpointing``: None (off) or use_reentrant."""
+    return train_on(model, batches, steps, checkpointing is not None, "cuda", bool(checkpointing))
 
 
 def batches(lengths=(24,)):

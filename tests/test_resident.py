@@ -78,9 +78,9 @@ def adamw(model):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3, fused=True)
 
 
-def train(model, batches, steps, gc, device="cpu"):
+def train(model, batches, steps, gc, device="cpu", reentrant=True):
     if gc:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         model.enable_input_require_grads()
     model.train()
     opt = adamw(model)
