@@ -204,9 +204,12 @@ class LayerGraphs:
         if not self._usable(x, lora):
             return None
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *lora))
-        if grad and (not self._workspace(x, local, weights, lora).keep_saved or saved_tensor_hooks_active()):
-            return None
         key = (grad, x.shape[0], k, x.dtype, weights.dtype, local.dtype)
+        if grad:
+            cap = self.graphs.get(key)
+            ws = cap.ws if cap is not None else self._workspace(x, local, weights, lora)
+            if not ws.keep_saved or saved_tensor_hooks_active():
+                return None
         if key not in self.graphs:
             counts = {kk[1] for kk in self.graphs if kk[0] != "backward"}
             if x.shape[0] not in counts and len(counts) >= MAX_TOKEN_COUNTS:
