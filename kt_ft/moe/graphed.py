@@ -45,6 +45,7 @@ logger = get_logger(__name__)
 MAX_TOKEN_COUNTS = 2  # token counts a layer captures graphs for; calls with others run eagerly
 SEEN_BEFORE_CAPTURE = 1  # eager calls of a token count (which warm its kernels up) before capture
 _N_SAVED = 13  # fused_forward's saved tensors kept in the workspace (the base weights are static)
+_GRAD_NAMES = ("grad_x", "grad_w", *(f"grad_lora{i}" for i in range(6)))  # fused_backward's, in order
 _forbidden: str | None = None  # why graphs are off for this process (a GPU memory cap)
 _logged: set[str] = set()
 
@@ -94,7 +95,7 @@ class Workspace:
     def saved(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.bufs[f"saved{i}"] for i in range(_N_SAVED))
 
-    def claim(self, pending: _Pending | None) -> None:
+    def claim(self, pending: _Pending) -> None:
         """A graph that writes the saved buffers is about to replay for ``pending``: a previous
         owner still waiting for its backward gets a copy of its tensors first."""
         old = self.owner() if self.owner is not None else None
@@ -108,7 +109,7 @@ class Workspace:
                 "CUDA graphs: a forward ran before the backward of the one before it (no gradient "
                 "checkpointing): forwards with grad of resident layers run without graphs from here on",
             )
-        self.owner = weakref.ref(pending) if pending is not None else None
+        self.owner = weakref.ref(pending)
 
 
 _workspaces: dict[tuple, Workspace] = {}
@@ -317,7 +318,7 @@ class LayerGraphs:
     def _replay_forward(self, key, x, local, weights, pending: _Pending | None) -> torch.Tensor:
         cap = self.graphs[key]
         ws = cap.ws
-        if key[0]:
+        if pending is not None:  # a forward with grad: it writes the saved buffers
             ws.claim(pending)
         ws.bufs["x"].copy_(x)
         ws.bufs["local"].copy_(local)
@@ -345,10 +346,7 @@ class LayerGraphs:
             return fused_backward(grad_out.to(acc), saved, m, needs_x, needs_w)
         bkey = ("backward", pending.key, needs_x, needs_w)
         if bkey not in self.graphs and not self._capture_backward(bkey, ws, meta, grad_out, needs_x, needs_w):
-            m = meta._replace(groups=Groups(ws.bufs["counts"], ws.bufs["saved0"].shape[0]))
-            out = fused_backward(
-                grad_out.to(acc), (*ws.saved(), base.gate_up, base.down), m, needs_x, needs_w
-            )
+            out = self._backward_body(ws, meta, grad_out.to(acc), needs_x, needs_w)
             pending.in_workspace = False
             ws.owner = None
             return out
@@ -357,9 +355,9 @@ class LayerGraphs:
         self.replays += 1
         pending.in_workspace = False
         ws.owner = None
-        names = ("grad_x", "grad_w", *(f"grad_lora{i}" for i in range(6)))
         return tuple(
-            ws.bufs[n].clone() if n in ws.bufs and self._wanted(n, needs_x, needs_w) else None for n in names
+            ws.bufs[n].clone() if n in ws.bufs and self._wanted(n, needs_x, needs_w) else None
+            for n in _GRAD_NAMES
         )
 
     @staticmethod
@@ -382,13 +380,12 @@ class LayerGraphs:
             with torch.cuda.stream(side), torch.no_grad():
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
             torch.cuda.current_stream(dev).wait_stream(side)
-            names = ("grad_x", "grad_w", *(f"grad_lora{i}" for i in range(6)))
-            dst = {n: ws.buffer(n, g) for n, g in zip(names, grads) if g is not None}
+            dst = {n: ws.buffer(n, g) for n, g in zip(_GRAD_NAMES, grads) if g is not None}
             del grads
             g = torch.cuda.CUDAGraph()
             with torch.no_grad(), torch.cuda.graph(g, pool=ws.pool, capture_error_mode="thread_local"):
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
-                for n, t in zip(names, grads):
+                for n, t in zip(_GRAD_NAMES, grads):
                     if t is not None:
                         dst[n].copy_(t)
                 del grads
