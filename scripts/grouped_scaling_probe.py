@@ -1,0 +1,62 @@
+"""GFLOP/s of the native grouped GEMMs at the CPU expert op's own call (every expert of a
+DeepSeek-V2-Lite layer at once: 64 experts x ROWS rows, 2,048 tokens top-6 = 192 rows an expert)
+against the thread count: does the op's product scale over the cores, and where does it stop?
+One line per (ISA, product, direction), one column per thread count, torch's bf16 bmm beside it.
+
+    PYTHONPATH=. python scripts/grouped_scaling_probe.py [THREADS,...] [ROWS] [REPEAT]
+"""
+
+import sys
+import time
+
+import torch
+
+from kt_ft.kernels import native as nt
+
+THREADS = [int(t) for t in (sys.argv[1] if len(sys.argv) > 1 else "1,2,4,8,14").split(",")]
+ROWS = int(sys.argv[2]) if len(sys.argv) > 2 else 192
+REPEAT = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+EXPERTS = 64
+SHAPES = {"gate_up": (2816, 2048), "down": (2048, 1408)}  # W [N, K] of one expert
+
+
+def best(f) -> float:
+    f()
+    out = []
+    for _ in range(REPEAT):
+        t0 = time.perf_counter()
+        f()
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(
+        f"library {nt.library()._name}, best ISA {nt.best_isa()}, {EXPERTS} experts x {ROWS} rows, "
+        f"threads {THREADS}, best of {REPEAT}"
+    )
+    plan = torch.tensor([(e, e * ROWS, ROWS) for e in range(EXPERTS)], dtype=torch.int64).t().contiguous()
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(EXPERTS, n, k).bfloat16()
+        flops = 2 * EXPERTS * ROWS * n * k
+        for trans in (True, False):
+            kin, nout = (k, n) if trans else (n, k)
+            a, out = torch.randn(EXPERTS * ROWS, kin), torch.empty(EXPERTS * ROWS, nout)
+            for isa in [i for i in nt.runnable_isas() if i not in ("scalar", "avx2")]:
+                cells = []
+                for t in THREADS:
+                    s = best(lambda: nt.grouped_bf16(trans, a, w, out, plan[0], plan[1], plan[2], threads=t, isa=isa))
+                    cells.append(f"{t}t {flops / s / 1e9:6.0f}")
+                print(f"{name:8s} {'NT' if trans else 'NN'} {isa:11s} " + "  ".join(cells), flush=True)
+            ab = a.view(EXPERTS, ROWS, kin).bfloat16()
+            wt = w.transpose(1, 2) if trans else w
+            cells = []
+            for t in THREADS:
+                torch.set_num_threads(t)
+                cells.append(f"{t}t {flops / best(lambda: torch.bmm(ab, wt)) / 1e9:6.0f}")
+            print(f"{name:8s} {'NT' if trans else 'NN'} {'torch bmm':11s} " + "  ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
