@@ -46,7 +46,11 @@ def main() -> None:
             for isa in [i for i in nt.runnable_isas() if i not in ("scalar", "avx2")]:
                 cells = []
                 for t in THREADS:
-                    s = best(lambda: nt.grouped_bf16(trans, a, w, out, plan[0], plan[1], plan[2], threads=t, isa=isa))
+                    s = best(
+                        lambda: nt.grouped_bf16(
+                            trans, a, w, out, plan[0], plan[1], plan[2], threads=t, isa=isa
+                        )
+                    )
                     cells.append(f"{t}t {flops / s / 1e9:6.0f}")
                 print(f"{name:8s} {'NT' if trans else 'NN'} {isa:11s} " + "  ".join(cells), flush=True)
             ab = a.view(EXPERTS, ROWS, kin).bfloat16()
