@@ -77,9 +77,9 @@ _ALL = (
     ),
     Setting(
         "KT_FT_CUDA_GRAPHS",
-        "0",
-        "1: a layer whose experts are all resident on the GPU replays its expert work from CUDA graphs "
-        "captured per token count instead of launching each kernel (kt_ft/moe/graphed.py)",
+        "1",
+        "0: a layer whose experts are all resident on the GPU launches each kernel of its expert work "
+        "instead of replaying CUDA graphs captured per token count (kt_ft/moe/graphed.py)",
     ),
     Setting(
         "KT_FT_DEQUANT_CHUNK_MIB",

@@ -24,7 +24,7 @@ re-creates saved tensors through them) forwards with grad run eagerly: nothing h
 Only where it is safe and pays: CUDA, every expert of the layer resident, dense weights, the
 expert LoRA on the GPU, no ``kt_gpu_memory`` cap (the graphs' pool is memory the plan does not
 count), room on the GPU, at most ``MAX_TOKEN_COUNTS`` token counts a layer (variable-length
-micro-batches beyond those run eagerly), and ``KT_FT_CUDA_GRAPHS=1`` (off by default). Every refusal or failure
+micro-batches beyond those run eagerly), unless ``KT_FT_CUDA_GRAPHS=0``. Every refusal or failure
 falls back to the eager path (``device_experts.py``), with one log line; the numbers are the same
 kernels' in the same order.
 """
@@ -311,7 +311,7 @@ class LayerGraphs:
         _log_once(
             "captured",
             f"CUDA graphs: the expert work of resident layers is captured per token count ({x.shape[0]} "
-            "tokens first) and replayed (KT_FT_CUDA_GRAPHS=1)",
+            "tokens first) and replayed (KT_FT_CUDA_GRAPHS=0: launched eagerly)",
         )
         return True
 
