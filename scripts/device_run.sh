@@ -7,7 +7,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kt-ft-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.ktk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-PARTS=${PARTS:-tests,op,step}  # also: e2e, gen, graphprobe, overlap, placement, probe, qprobe, scaling
+PARTS=${PARTS:-tests,op,step}  # also: e2e, gen, overlap, placement, probe, qprobe, scaling
 if [[ ",$PARTS," == *,e2e,* || ",$PARTS," == *,gen,* ]]; then
   # the product path: LLaMA-Factory 0.9.5's stack and a kt-ft wheel (its .pth start-up hook) installed
   # for real into the machine's python (carry .whl: `pip download` list in docs/benchmarks.md)
@@ -39,14 +39,10 @@ THREADS=${THREADS:-$(nproc)}
 # PROFILE_DIR; step: STEP_LAYERS, SYSTEMS, BACKENDS, STEP_PRESETS; KT_FT_BENCH_REPLAN=0 / KT_FT_BENCH_TRACE=1
 # pass through to the bench workers (kt_ft/bench/step.py)
 # TESTS: other test files / node ids, TEST_K: a pytest -k expression (e.g. TEST_K=cuda)
-TESTS=${TESTS:-tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_grouped_device.py tests/test_loading.py tests/test_load_memory.py}
+TESTS=${TESTS:-tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_grouped_device.py tests/test_graphed.py tests/test_loading.py tests/test_load_memory.py}
 # shellcheck disable=SC2086
 [[ $PARTS == *tests* ]] && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
   ${TEST_K:+-k "$TEST_K"} $TESTS 2>&1 | tee "$OUT/pytest.log"
-# graphprobe: host and GPU time of one DeepSeek-V2-Lite MoE layer, HF + PEFT against kt-ft eager and with
-# its CUDA graphs (scripts/graph_probe.py)
-[[ ",$PARTS," == *,graphprobe,* ]] && timeout "${PROBE_TIMEOUT:-120}" python3 scripts/graph_probe.py 2>&1 \
-  | grep -v -i "warn" | tee "$OUT/graph_probe.log"
 # issue 8: tokens/s against the GPU memory cap for all-CPU, all-streamed, auto and all-GPU, predicted beside measured
 [[ ${PROFILE:-1} == 1 ]] && export KT_FT_BENCH_PROFILE=${PROFILE_DIR:-$OUT/prof}  # PROFILE=0: no profiled step
 [[ $PARTS == *placement* ]] && timeout "${PLACEMENT_TIMEOUT:-580}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" \
