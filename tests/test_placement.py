@@ -12,6 +12,8 @@ x (3·100 + 5·50) x 2 + two fp32 slices of 20 x 100 = 38,000 B.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kt_ft.placement.cost import (
@@ -83,6 +85,31 @@ def test_layer_time_overlaps_the_link_and_the_gpu_per_phase():
     # times_from_pairs splits the experts' GPU work: forward fwd_flops, recompute + backward pair_flops
     u = layer_times(SHAPE, LayerSplit((0, 1, 2, 3), ()), FAST, 0, T, nonexpert_s=0.25)
     assert u.gpu_fwd_s == pytest.approx(u.gpu_s * 30_000 / 90_000) and u.nonexpert_s == 0.25
+
+
+def test_a_graphed_layer_overlaps_its_experts_with_the_host_bound_non_expert_work():
+    """With CUDA graphs an all-resident layer's phase is max(its non-expert share (host-bound),
+    that share's GPU time + the experts' GPU work of the phase), not their sum."""
+    t = LayerTimes(cpu_s=0.0, link_s=0.0, gpu_s=2.0, gpu_fwd_s=0.5, nonexpert_s=4.0)
+    assert t.seconds == pytest.approx(6.0)  # eager: 0.5 + 1 forward, 1.5 + 3 backward
+    g = dataclasses.replace(t, graphed=True, nonexpert_gpu_s=1.2)
+    # forward: max(1, 0.3 + 0.5); backward: max(3, 0.9 + 1.5): the host's 4 s
+    assert g.seconds == pytest.approx(4.0)
+    # a GPU-bound layer: forward max(1, 2 + 0.5), backward max(3, 6 + 1.5)
+    assert dataclasses.replace(g, nonexpert_gpu_s=8.0).seconds == pytest.approx(2.5 + 7.5)
+    # predict marks the all-resident layers only (and not one whose LoRA stays on the CPU); the
+    # non-expert GPU time: the run's, else its FLOPs at the dense rate
+    splits = [LayerSplit((0, 1, 2, 3), ()), LayerSplit((0, 1), (2, 3)), LayerSplit((0, 1, 2, 3), ())]
+    rates = dataclasses.replace(FAST, nonexpert_s=3.0)
+    p = predict([SHAPE] * 3, splits, rates, 0, T, 9e10, lora_on_cpu=[False, False, True], graphs=True)
+    assert [x.graphed for x in p.layers] == [True, False, False]
+    assert p.layers[0].nonexpert_gpu_s == pytest.approx(1.0 / 3)  # 9e10 FLOPs at 9e10/s over 3 layers
+    measured = dataclasses.replace(rates, nonexpert_gpu_s=0.6)
+    q = predict([SHAPE] * 3, splits, measured, 0, T, 9e10, graphs=True)
+    assert q.layers[0].nonexpert_gpu_s == pytest.approx(0.2) and q.layers[2].graphed
+    # without graphs nothing changes
+    e = predict([SHAPE] * 3, splits, measured, 0, T, 9e10)
+    assert not any(x.graphed for x in e.layers) and e.step_s >= q.step_s
 
 
 def test_rates_must_exist_for_what_is_used():

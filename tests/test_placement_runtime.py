@@ -357,8 +357,8 @@ def test_non_expert_measurement_skips_the_routed_experts_and_leaves_the_run_as_i
     layers = kt_layers(model)
     model.eval()
     rng = torch.get_rng_state()
-    s, peak = measure_non_expert(model, seq_len=12, batch=2, device=torch.device("cpu"))
-    assert s > 0 and peak is None and not model.training
+    s, peak, gpu_s = measure_non_expert(model, seq_len=12, batch=2, device=torch.device("cpu"), gpu_time=True)
+    assert s > 0 and peak is None and gpu_s is None and not model.training  # GPU time: CUDA only
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     assert [m.runner.forward_calls for m in layers] == [0] * len(layers)

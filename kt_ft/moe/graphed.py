@@ -56,6 +56,20 @@ def forbid(reason: str) -> None:
     _forbidden = reason
 
 
+def expected(dtype: torch.dtype) -> bool:
+    """Whether layers with every expert resident will replay graphs in this process, for experts of
+    ``dtype`` on the current CUDA device (what the cost model assumes, ``cost.LayerTimes.graphed``;
+    each layer still checks its own conditions at its first call)."""
+    return (
+        _forbidden is None
+        and enabled("KT_FT_CUDA_GRAPHS")
+        and enabled("KT_FT_GROUPED_DEVICE")
+        and dtype == torch.bfloat16
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= (9, 0)
+    )
+
+
 def _log_once(key: str, msg: str) -> None:
     if key not in _logged:
         _logged.add(key)

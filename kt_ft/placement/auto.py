@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..log import fmt_bytes
+from ..moe.graphed import expected as graphs_expected
 from ..quant.weights import is_quantized
 from ..rules.plan import ExpertPlacement, PlacementPlan
 from ..rules.report import TrainSizes, _expert_dims, _ranges, estimate
@@ -96,8 +97,13 @@ def predict_plan(
     sizes: TrainSizes,
     rates: Rates,
     popularity: dict[int, Sequence[float]] | None = None,
+    graphs: bool | None = None,
 ) -> Prediction:
-    """The cost model's prediction for every MoE layer of the plan as it stands."""
+    """The cost model's prediction for every MoE layer of the plan as it stands. ``graphs``: whether
+    all-resident layers replay CUDA graphs (``cost.predict``); None: as this process will
+    (``moe.graphed.expected``)."""
+    if graphs is None:
+        graphs = graphs_expected(dtype)
     shapes = [layer_shape(model, e, dtype) for e in plan.experts]
     pops = [(popularity or {}).get(e.layer) for e in plan.experts]
     splits = current_splits(model, plan, popularity)
@@ -105,7 +111,9 @@ def predict_plan(
     flops = model_non_expert_flops(model, plan, sizes)
     # layers whose planner left their expert LoRA on the CPU beside GPU experts pay for it
     lora_on_cpu = [e.lora_on_gpu is False for e in plan.experts]
-    return predict(shapes, splits, rates, sizes.lora_rank, tokens, flops, pops, lora_on_cpu=lora_on_cpu)
+    return predict(
+        shapes, splits, rates, sizes.lora_rank, tokens, flops, pops, lora_on_cpu=lora_on_cpu, graphs=graphs
+    )
 
 
 def training_device_key(plan: PlacementPlan) -> str:

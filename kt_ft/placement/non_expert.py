@@ -50,10 +50,30 @@ def _vocab_size(model: torch.nn.Module) -> int:
 
 class NonExpertRun(NamedTuple):
     """``measure_non_expert``'s result: seconds of the best timed call; the allocator's peak rise in
-    bytes (CUDA) or None."""
+    bytes (CUDA) or None; the GPU's busy seconds in one more call (CUDA, where the profiler could
+    tell) or None."""
 
     seconds: float
     peak_bytes: int | None
+    gpu_seconds: float | None = None
+
+
+def gpu_busy_seconds(fn) -> float | None:
+    """Seconds the GPU spends in the kernels (and copies) ``fn()`` queues: their durations summed,
+    as torch.profiler's CUDA activity records them. Why not the wall time: a host-bound pass leaves
+    the GPU idle between kernels, and work queued beside it (CUDA graphs' replays) fills that idle
+    time (``cost.LayerTimes.graphed``). None where the profiler records nothing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        us = sum(e.self_device_time_total for e in prof.key_averages())
+    except Exception as e:  # noqa: BLE001 -- no CUPTI, another profiler running: a figure lost, not the run
+        logger.info(f"placement: auto: the GPU time of the non-expert work was not measured ({e})")
+        return None
+    return us / 1e6 if us > 0 else None
 
 
 def measure_non_expert(
@@ -64,6 +84,7 @@ def measure_non_expert(
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
     repeat: int = 2,
+    gpu_time: bool = False,
 ) -> NonExpertRun:
     """Seconds and GPU memory of one micro-batch's forward + backward (``batch`` x ``seq_len`` token ids, int64,
     labels the same ids) of ``model`` with its routed experts skipped; the best of ``repeat``
@@ -71,7 +92,8 @@ def measure_non_expert(
     is timed between two synchronisations); ``autocast_dtype``: the run's mixed precision (the
     Trainer's bf16 / fp16 autocast), None: none. ``NonExpertRun.peak_bytes``: CUDA only, the
     allocator's peak over what it held before the first call (activations, the loss, the
-    non-expert LoRA's gradients); None elsewhere."""
+    non-expert LoRA's gradients); None elsewhere. ``gpu_time``: one more call under the profiler
+    gives ``NonExpertRun.gpu_seconds`` (``gpu_busy_seconds``)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     vocab = _vocab_size(model)
@@ -79,6 +101,7 @@ def measure_non_expert(
     trainable = [p for p in model.parameters() if p.requires_grad]
     had_grad = [p.grad for p in trainable]
     best = float("inf")
+    gpu_s = None
     if cuda:
         torch.cuda.synchronize(device)
         held = torch.cuda.memory_allocated(device)
@@ -87,21 +110,25 @@ def measure_non_expert(
         model.train()
         try:
             ids = torch.randint(vocab, (batch, seq_len), device=device)
+
+            def step() -> None:
+                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                    out = model(input_ids=ids, labels=ids, use_cache=False)
+                out.loss.backward()
+
             for i in range(repeat + 1):
                 if cuda:
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                    out = model(input_ids=ids, labels=ids, use_cache=False)
-                out.loss.backward()
-                del out
+                step()
                 if cuda:
                     torch.cuda.synchronize(device)
                 if i:  # the first call warms up
                     best = min(best, time.perf_counter() - t0)
+            gpu_s = gpu_busy_seconds(step) if cuda and gpu_time else None
         finally:
             for p, g in zip(trainable, had_grad, strict=True):
                 p.grad = g  # the run's gradients as they were (None before the first step)
             model.train(was_training)
     peak = torch.cuda.max_memory_allocated(device) - held if cuda else None
-    return NonExpertRun(best, peak)
+    return NonExpertRun(best, peak, gpu_s)

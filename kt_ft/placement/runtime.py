@@ -359,23 +359,34 @@ class Replanner:
         if device.type != "cuda":
             return None
         before = predict_plan(ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates)
+        graphs = any(t.graphed for t in before.layers)  # then the GPU's share of it matters too
         run = run_non_expert(
             model,
             seq_len=ctx.sizes.cutoff_len,
             batch=ctx.sizes.batch,
             device=device,
             autocast_dtype=autocast_dtype,
+            gpu_time=graphs,
         )
         s = run.seconds
+        source = {**ctx.rates.source, "nonexpert_s": "this run"}
+        if run.gpu_seconds is not None:
+            source["nonexpert_gpu_s"] = "this run"
         ctx.rates = dataclasses.replace(
-            ctx.rates, nonexpert_s=s, source={**ctx.rates.source, "nonexpert_s": "this run"}
+            ctx.rates, nonexpert_s=s, nonexpert_gpu_s=run.gpu_seconds, source=source
         )
         pred = predict_plan(ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates)
         tokens = ctx.sizes.cutoff_len * ctx.sizes.batch
+        gpu = (
+            f"; the GPU busy {run.gpu_seconds * 1e3:.1f} ms of it, which the CUDA graphs' expert work "
+            "of resident layers joins while the host queues the rest"
+            if run.gpu_seconds is not None
+            else ""
+        )
         logger.info(
             f"placement: auto: the non-expert work of a micro-batch (forward + backward, routed experts "
             f"skipped) took {s * 1e3:.1f} ms in this run (its FLOPs at the GPU's matmul rate said "
-            f"{before.nonexpert_s * 1e3:.1f} ms): predicted step {pred.step_s * 1e3:.3f} ms, "
+            f"{before.nonexpert_s * 1e3:.1f} ms{gpu}): predicted step {pred.step_s * 1e3:.3f} ms, "
             f"{tokens / pred.step_s:,.0f} tokens/s (routed experts {(pred.step_s - s) * 1e3:.1f} ms)"
         )
         if run.peak_bytes is not None:
