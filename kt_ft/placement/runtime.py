@@ -181,6 +181,10 @@ def auto_at_start(
         context = cuda_overhead_now(device)
         slack = ALLOCATOR_SLACK_BYTES if gpu_memory_gib is not None else 0
         overhead = context + CUDA_GROWTH_BYTES + slack
+    if context is not None and gpu_memory_gib is not None:
+        # the CUDA graphs' memory pool of resident layers is not in the plan: none under a cap (said
+        # before planning: the cost model predicts graphed layers otherwise)
+        forbid_graphs(f"kt_gpu_memory={gpu_memory_gib:g}: their memory pool is not in the plan")
     choice = plan_auto(
         model,
         plan,
@@ -193,8 +197,6 @@ def auto_at_start(
         cuda_overhead_bytes=overhead,
     )
     if context is not None and gpu_memory_gib is not None:
-        # the CUDA graphs' memory pool of resident layers is not in the plan: none under a cap
-        forbid_graphs(f"kt_gpu_memory={gpu_memory_gib:g}: their memory pool is not in the plan")
         limit = limit_allocator(device, cap, context + CUDA_GROWTH_BYTES)
         expandable = use_expandable_segments()
         logger.info(
