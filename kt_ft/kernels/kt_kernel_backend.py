@@ -161,6 +161,10 @@ class KTKernelBackend(ExpertBackend):
         # the backward's transposed weights from one pool for every layer, not a copy per layer
         # (module doc); read by load_weights
         wrapper.share_backward_bb = True
+        # share_cache_pool stays off: one pool of saved activations for every layer holds only the
+        # last forward's, and a layer's backward here comes after every layer's first-pass forward
+        # (its recompute reuses that forward: ``ExpertRunner.forward_and_stash``); on, the earlier
+        # layers' gradients came out wrong (docs/benchmarks.md, kt-kernel's host memory)
         wrapper.load_weights_from_tensors(
             base.gate_up[:, :inter], base.gate_up[:, inter:], base.down, torch.arange(e, dtype=torch.int64)
         )
