@@ -8,6 +8,8 @@ micro-batch 2 x 12 tokens.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from test_resident import ALPHA, RANK, _train_keep, batches, build, kt_layers, train
@@ -440,3 +442,25 @@ def test_non_expert_memory_measured_over_the_plan_moves_experts_off_the_gpu(
     resident = [kt.resident.ids if kt.resident else () for kt in kt_layers(model)]
     assert resident == ([(0, 1, 2), ()] if not over else [(0, 1), ()]), resident
     assert ("held back from the experts" in caplog.text) == bool(over)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs on the GPU machine")
+def test_gpu_busy_seconds_sums_the_kernels_not_the_idle_time():
+    """The non-expert pass's GPU time (``non_expert.gpu_busy_seconds``): kernels queued with host
+    sleeps between them keep the GPU busy for less than the wall time, and for more than nothing."""
+    from kt_ft.placement.non_expert import gpu_busy_seconds
+
+    a = torch.randn(2048, 2048, device="cuda")
+
+    def work():
+        for _ in range(5):
+            a @ a
+            torch.cuda.synchronize()
+            time.sleep(0.02)  # the host's time: the GPU idles
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    busy = gpu_busy_seconds(work)
+    wall = time.perf_counter() - t0
+    print(f"GPU busy {busy * 1e3:.2f} ms of {wall * 1e3:.1f} ms")
+    assert busy is not None and 0 < busy < 0.5 * wall
