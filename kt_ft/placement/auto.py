@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import torch
 
 from ..log import fmt_bytes
-from ..moe.graphed import expected as graphs_expected
 from ..quant.weights import is_quantized
 from ..rules.plan import ExpertPlacement, PlacementPlan
 from ..rules.report import TrainSizes, _expert_dims, _ranges, estimate
@@ -97,13 +96,10 @@ def predict_plan(
     sizes: TrainSizes,
     rates: Rates,
     popularity: dict[int, Sequence[float]] | None = None,
-    graphs: bool | None = None,
+    graphs: bool = False,
 ) -> Prediction:
     """The cost model's prediction for every MoE layer of the plan as it stands. ``graphs``: whether
-    all-resident layers replay CUDA graphs (``cost.predict``); None: as this process will
-    (``moe.graphed.expected``)."""
-    if graphs is None:
-        graphs = graphs_expected(dtype)
+    all-resident layers replay CUDA graphs (``cost.predict``; a run asks ``moe.graphed.expected``)."""
     shapes = [layer_shape(model, e, dtype) for e in plan.experts]
     pops = [(popularity or {}).get(e.layer) for e in plan.experts]
     splits = current_splits(model, plan, popularity)
@@ -211,10 +207,12 @@ def placement_section(
     rates: Rates,
     choice: Choice | None,
     rate_lines: list[str],
+    graphs: bool = False,
 ) -> dict:
     """The ``placement`` block of ``kt-ft rules plan`` (JSON-ready): per layer group the resident /
-    streamed / CPU counts, the predicted seconds per resource and step, the bottleneck."""
-    pred = predict_plan(model, plan, dtype=dtype, sizes=sizes, rates=rates)
+    streamed / CPU counts, the predicted seconds per resource and step, the bottleneck. ``graphs``:
+    as ``predict_plan``'s."""
+    pred = predict_plan(model, plan, dtype=dtype, sizes=sizes, rates=rates, graphs=graphs)
     splits = current_splits(model, plan)
     groups: list[dict] = []
     for e, s, t in zip(plan.experts, splits, pred.layers, strict=True):

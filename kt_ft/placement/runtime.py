@@ -46,6 +46,7 @@ from ..log import fmt_bytes, get_logger
 from ..models import unwrap_peft
 from ..moe.backend_pick import pick_for
 from ..moe.experts import KTExperts
+from ..moe.graphed import expected as graphs_expected
 from ..moe.graphed import forbid as forbid_graphs
 from ..processes import topology
 from ..rules.plan import PlacementPlan
@@ -213,6 +214,7 @@ def auto_at_start(
         rates=rates,
         choice=choice,
         rate_lines=describe(rates, shape, sizes.lora_rank),
+        graphs=graphs_expected(dtype),
     )
     logger.info(
         f"placement: auto for {len(autos)} MoE layers, {tokens} tokens a micro-batch:"
@@ -360,15 +362,17 @@ class Replanner:
         device = model.get_input_embeddings().weight.device
         if device.type != "cuda":
             return None
-        before = predict_plan(ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates)
-        graphs = any(t.graphed for t in before.layers)  # then the GPU's share of it matters too
+        graphs = graphs_expected(ctx.dtype)
+        before = predict_plan(
+            ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates, graphs=graphs
+        )
         run = run_non_expert(
             model,
             seq_len=ctx.sizes.cutoff_len,
             batch=ctx.sizes.batch,
             device=device,
             autocast_dtype=autocast_dtype,
-            gpu_time=graphs,
+            gpu_time=any(t.graphed for t in before.layers),  # then the GPU's share of it matters too
         )
         s = run.seconds
         source = {**ctx.rates.source, "nonexpert_s": "this run"}
@@ -377,7 +381,9 @@ class Replanner:
         ctx.rates = dataclasses.replace(
             ctx.rates, nonexpert_s=s, nonexpert_gpu_s=run.gpu_seconds, source=source
         )
-        pred = predict_plan(ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates)
+        pred = predict_plan(
+            ctx.model, ctx.plan, dtype=ctx.dtype, sizes=ctx.sizes, rates=ctx.rates, graphs=graphs
+        )
         tokens = ctx.sizes.cutoff_len * ctx.sizes.batch
         gpu = (
             f"; the GPU busy {run.gpu_seconds * 1e3:.1f} ms of it, which the CUDA graphs' expert work "
