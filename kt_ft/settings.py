@@ -57,6 +57,13 @@ _ALL = (
     ),
     Setting("KT_FT_OVERLAP_SHARED", "1", "0: shared experts are not started beside the CPU expert op"),
     Setting(
+        "KT_FT_KT_KERNEL_SHARED_CACHE",
+        "0",
+        "1: the kt-kernel backend keeps one pool of saved activations for all layers instead of one a layer "
+        "(less host memory: ~0.16 GiB a DeepSeek-V2-Lite layer at 2,048 tokens) and runs each layer's CPU "
+        "forward again before its backward (kt_ft/kernels/kt_kernel_backend.py)",
+    ),
+    Setting(
         "KT_FT_MMAP_THRESHOLD",
         "4M",
         "glibc's mmap threshold for a kt-ft training process (bytes, or K/M): larger blocks are mapped per use "

@@ -70,14 +70,20 @@ def test_kt_kernel_skips_masked_pairs(rng):
     assert_close(truth, got, 6e-2)
 
 
+@pytest.mark.parametrize("shared_cache", ["0", "1"])
 @pytest.mark.parametrize("order", ["backward", "forward"])
-def test_kt_kernel_layers_share_one_backward_pool_and_free_the_host_copy(order, rng):
+def test_kt_kernel_layers_share_one_backward_pool_and_free_the_host_copy(
+    order, shared_cache, rng, monkeypatch
+):
     """Three layers in a chain (``chain_backward_order``, as ``moe/patch.py`` links them): their
     backward weights come from one shared pool, each layer's backward done starts the next one's
     repack, and kt-ft's host copy of each is freed once kt-kernel has loaded it. ``order``: the
     backwards in the chain's order (the repack prepared ahead is the right one) or in forward order
-    (every guess wrong: each backward repacks its own). Two steps with a LoRA change between,
-    against the float64 reference on a kept copy of the weights."""
+    (every guess wrong: each backward repacks its own). ``shared_cache``: KT_FT_KT_KERNEL_SHARED_CACHE
+    (one pool of saved activations: every backward but the last forward's runs its forward again).
+    Two steps with a LoRA change between, against the float64 reference on a kept copy of the
+    weights; each layer has its own inputs (a pool holding another layer's activations shows)."""
+    monkeypatch.setenv("KT_FT_KT_KERNEL_SHARED_CACHE", shared_cache)
     layers = [make_problem(40, 8, 2, 256, 128, 8, torch.bfloat16, rng) for _ in range(3)]
     keep = [ExpertWeights(p[0].gate_up.clone(), p[0].down.clone()) for p in layers]
     runners = [ExpertRunner(BACKENDS["kt-kernel"](), p[0], 2.0, chunk_size=64, threads=4) for p in layers]

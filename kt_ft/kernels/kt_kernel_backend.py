@@ -25,6 +25,14 @@ routed experts in RAM (91-93 GiB for 27 GiB of experts on the GPU machine). So:
   that finds the pool holding another layer repacks its own first.
 * once the kernel has loaded a layer, ``holds_base_copy`` says so and the runner frees kt-ft's
   copy where nothing else reads it (``ExpertRunner.free_base_when_held``).
+* the activations a forward saves for its backward (~0.2 GiB a DeepSeek-V2-Lite layer at 2,048
+  tokens) stay per layer: a layer's backward comes after every layer's first-pass forward (its
+  checkpointed recompute reuses that forward, ``ExpertRunner.forward_and_stash``), and kt-kernel's
+  one pool for every layer (``share_cache_pool``) would hold only the last one's: measured, every
+  layer but the last got wrong gradients. ``KT_FT_KT_KERNEL_SHARED_CACHE=1`` takes the pool anyway
+  and makes it right the way kt-kernel's own SFT path does: the saved-forward tokens are counted
+  across layers, so a backward whose forward is no longer the pool's runs it again first (one more
+  CPU forward a layer and micro-batch, for ~0.16 GiB a layer less host memory).
 
 Measured on a 2-core AVX512-BF16 CPU (kt-kernel 0.7.2's avx512_bf16 build), 3 layers of 16
 DeepSeek-V2-Lite-shaped experts (795 MiB): over kt-ft's copy, the wrappers held 1,614 MiB loaded,
@@ -40,10 +48,13 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import KTConfigError
+from ..settings import enabled
 from .base import ExpertBackend, ExpertWeights, LoraTensors, lora_key
 
 BF16 = torch.bfloat16
 _LAYER_IDS = itertools.count()
+# saved forwards of every layer, counted when they share kt-kernel's one pool of saved activations
+_SHARED_LIVE = [0]
 # the backend whose backward repack runs on kt-kernel's repack thread now (None: none)
 _REPACKING: KTKernelBackend | None = None
 
@@ -99,7 +110,10 @@ class KTKernelBackend(ExpertBackend):
         self._lora_bf16: LoraTensors | None = None
         self._grads: LoraTensors | None = None
         self._lora_seen: tuple | None = None
-        self._live_token = 0
+        # the saved forward the kernel holds: this layer's own counter, or with one pool of saved
+        # activations for every layer (KT_FT_KT_KERNEL_SHARED_CACHE) the process-wide one
+        self._shared_cache = enabled("KT_FT_KT_KERNEL_SHARED_CACHE")
+        self._live = _SHARED_LIVE if self._shared_cache else [0]
         self._threads = 1
         self._max_tokens = 4096
         self._base: ExpertWeights | None = None
@@ -161,10 +175,9 @@ class KTKernelBackend(ExpertBackend):
         # the backward's transposed weights from one pool for every layer, not a copy per layer
         # (module doc); read by load_weights
         wrapper.share_backward_bb = True
-        # share_cache_pool stays off: one pool of saved activations for every layer holds only the
-        # last forward's, and a layer's backward here comes after every layer's first-pass forward
-        # (its recompute reuses that forward: ``ExpertRunner.forward_and_stash``); on, the earlier
-        # layers' gradients came out wrong (docs/benchmarks.md, kt-kernel's host memory)
+        # one pool of saved activations for every layer only with the tokens counted across layers
+        # (module doc: ``_live``)
+        wrapper.share_cache_pool = self._shared_cache
         wrapper.load_weights_from_tensors(
             base.gate_up[:, :inter], base.gate_up[:, inter:], base.down, torch.arange(e, dtype=torch.int64)
         )
@@ -211,7 +224,7 @@ class KTKernelBackend(ExpertBackend):
             save_for_backward=save,
         )
         if save:
-            self._live_token += 1
+            self._live[0] += 1
         return y
 
     def forward(self, x, ids, weights, base, lora, scaling, needs_grad):
@@ -220,10 +233,10 @@ class KTKernelBackend(ExpertBackend):
         y = self._forward(x, ids, weights, needs_grad)
         if not needs_grad:
             return y.float(), None
-        return y.float(), _Ctx(x, ids, weights, self._live_token)
+        return y.float(), _Ctx(x, ids, weights, self._live[0])
 
     def backward(self, ctx: _Ctx, grad_out: torch.Tensor):
-        if ctx.token != self._live_token:  # another saved forward ran since: redo this chunk's
+        if ctx.token != self._live[0]:  # another saved forward ran since: redo this chunk's
             self._forward(ctx.x, ctx.ids, ctx.weights, True)
         for g in self._grads:
             g.zero_()
