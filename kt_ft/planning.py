@@ -120,6 +120,7 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
     import torch
 
     from .kernels import select_backend  # why: torch on use only
+    from .moe.graphed import expected as graphs_expected  # why: torch on use only
     from .placement.auto import (
         layer_shape,
         placement_section,
@@ -168,4 +169,6 @@ def _placement(model, plan, dtype, sizes, overrides, gpu_mem, remeasure) -> dict
         rates=rates,
         choice=choice,
         rate_lines=describe(rates, shape, sizes.lora_rank),
+        # as the run will: a kt_gpu_memory cap (--gpu-mem) turns the CUDA graphs off
+        graphs=gpu_mem is None and graphs_expected(dtype),
     )
