@@ -7,27 +7,17 @@ One line per (ISA, product, direction), one column per thread count, torch's bf1
 """
 
 import sys
-import time
 
 import torch
 
 from kt_ft.kernels import native as nt
+from kt_ft.moe.op_timing import best_time
 
 THREADS = [int(t) for t in (sys.argv[1] if len(sys.argv) > 1 else "1,2,4,8,14").split(",")]
 ROWS = int(sys.argv[2]) if len(sys.argv) > 2 else 192
 REPEAT = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 EXPERTS = 64
 SHAPES = {"gate_up": (2816, 2048), "down": (2048, 1408)}  # W [N, K] of one expert
-
-
-def best(f) -> float:
-    f()
-    out = []
-    for _ in range(REPEAT):
-        t0 = time.perf_counter()
-        f()
-        out.append(time.perf_counter() - t0)
-    return min(out)
 
 
 def main() -> None:
@@ -46,10 +36,11 @@ def main() -> None:
             for isa in [i for i in nt.runnable_isas() if i not in ("scalar", "avx2")]:
                 cells = []
                 for t in THREADS:
-                    s = best(
+                    s = best_time(
                         lambda: nt.grouped_bf16(
                             trans, a, w, out, plan[0], plan[1], plan[2], threads=t, isa=isa
-                        )
+                        ),
+                        REPEAT,
                     )
                     cells.append(f"{t}t {flops / s / 1e9:6.0f}")
                 print(f"{name:8s} {'NT' if trans else 'NN'} {isa:11s} " + "  ".join(cells), flush=True)
@@ -58,7 +49,7 @@ def main() -> None:
             cells = []
             for t in THREADS:
                 torch.set_num_threads(t)
-                cells.append(f"{t}t {flops / best(lambda: torch.bmm(ab, wt)) / 1e9:6.0f}")
+                cells.append(f"{t}t {flops / best_time(lambda: torch.bmm(ab, wt), REPEAT) / 1e9:6.0f}")
             print(f"{name:8s} {'NT' if trans else 'NN'} {'torch bmm':11s} " + "  ".join(cells), flush=True)
 
 

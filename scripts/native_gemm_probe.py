@@ -7,25 +7,15 @@ may be shared).
 """
 
 import sys
-import time
 
 import torch
 
 from kt_ft.kernels import native as nt
+from kt_ft.moe.op_timing import best_time
 
 REPEAT = int(sys.argv[1]) if len(sys.argv) > 1 else 7
 THREADS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 SHAPES = [(48, 2816, 2048), (48, 2048, 1408), (3072, 2816, 2048)]  # (M, W rows, W columns)
-
-
-def best(f) -> float:
-    f()
-    times = []
-    for _ in range(REPEAT):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -38,12 +28,12 @@ def main() -> None:
         rates = {}
         for isa in nt.runnable_isas():
             if isa != "scalar":
-                nt_s = best(lambda: nt.gemm_bf16_nt(x, w, out, threads=THREADS, isa=isa))
-                nn_s = best(lambda: nt.gemm_bf16_nn(dy, w, dx, threads=THREADS, isa=isa))
+                nt_s = best_time(lambda: nt.gemm_bf16_nt(x, w, out, threads=THREADS, isa=isa), REPEAT)
+                nn_s = best_time(lambda: nt.gemm_bf16_nn(dy, w, dx, threads=THREADS, isa=isa), REPEAT)
                 rates[isa] = (nt_s, nn_s)
         xb, dyb, wf = x.bfloat16(), dy.bfloat16(), w.float()
-        rates["torch bf16"] = (best(lambda: xb @ w.T), best(lambda: dyb @ w))
-        rates["torch fp32"] = (best(lambda: x @ wf.T), best(lambda: dy @ wf))
+        rates["torch bf16"] = (best_time(lambda: xb @ w.T, REPEAT), best_time(lambda: dyb @ w, REPEAT))
+        rates["torch fp32"] = (best_time(lambda: x @ wf.T, REPEAT), best_time(lambda: dy @ wf, REPEAT))
         cells = [
             f"{name}: NT {flops / a / 1e9:.0f} NN {flops / b / 1e9:.0f}" for name, (a, b) in rates.items()
         ]
