@@ -56,6 +56,21 @@ def forbid(reason: str) -> None:
     _forbidden = reason
 
 
+def _device_refusal(dtype: torch.dtype, device: torch.device | None = None) -> str | None:
+    """Why dense experts of ``dtype`` on the CUDA ``device`` (None: the current one) cannot replay
+    graphs, or None. A product that loops over experts reads its row counts on the host: no capture.
+    bf16 on sm90+ is where every product here is one torch._grouped_mm (older GPUs' fallback syncs)."""
+    cap = torch.cuda.get_device_capability(device)
+    if dtype != torch.bfloat16 or cap < (9, 0):
+        return (
+            f"{dtype} experts on sm{''.join(map(str, cap))}: "
+            "torch._grouped_mm runs without a host sync for bfloat16 on sm90 and newer only"
+        )
+    if not enabled("KT_FT_GROUPED_DEVICE"):
+        return "KT_FT_GROUPED_DEVICE=0: the grouped products loop over experts"
+    return None
+
+
 def expected(dtype: torch.dtype) -> bool:
     """Whether layers with every expert resident will replay graphs in this process, for experts of
     ``dtype`` on the current CUDA device (what the cost model assumes, ``cost.LayerTimes.graphed``;
@@ -63,10 +78,8 @@ def expected(dtype: torch.dtype) -> bool:
     return (
         _forbidden is None
         and enabled("KT_FT_CUDA_GRAPHS")
-        and enabled("KT_FT_GROUPED_DEVICE")
-        and dtype == torch.bfloat16
         and torch.cuda.is_available()
-        and torch.cuda.get_device_capability() >= (9, 0)
+        and _device_refusal(dtype) is None
     )
 
 
@@ -196,16 +209,9 @@ class LayerGraphs:
         if getattr(base.gate_up, "fmt", None) is not None:
             self._stop("the experts are kept quantized")
             return False
-        # a product that loops over experts reads its row counts on the host: no capture. bf16 on
-        # sm90+ is where every product here is one torch._grouped_mm (older GPUs' fallback syncs)
-        if base.gate_up.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
-            self._stop(
-                f"{base.gate_up.dtype} experts on sm{''.join(map(str, torch.cuda.get_device_capability(x.device)))}: "
-                "torch._grouped_mm runs without a host sync for bfloat16 on sm90 and newer only"
-            )
-            return False
-        if not enabled("KT_FT_GROUPED_DEVICE"):
-            self._stop("KT_FT_GROUPED_DEVICE=0: the grouped products loop over experts")
+        reason = _device_refusal(base.gate_up.dtype, x.device)
+        if reason is not None:
+            self._stop(reason)
             return False
         return True
 
