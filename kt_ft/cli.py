@@ -191,7 +191,7 @@ def _bench(args: argparse.Namespace) -> int:
                 cutoff_len=args.seq, steps=args.e2e_steps, grad_accum=args.grad_accum, threads=args.threads,
                 cpu_infer=args.cpu_infer,
                 timeout_s=args.run_timeout, json_path=args.json if parts == ["e2e"] else None,
-                peer_site=args.peer_site)  # fmt: skip
+                peer_site=args.peer_site, lengths=args.e2e_lengths)  # fmt: skip
         parts = [p for p in parts if p != "e2e"]
         if not parts:
             return 0
@@ -362,6 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="e2e part: the recipes' cpu_infer (default: kt-ft's default)",
     )
     bench.add_argument("--grad-accum", type=int, default=4, help="e2e part: gradient_accumulation_steps")
+    bench.add_argument(
+        "--e2e-lengths",
+        choices=("cutoff", "varied"),
+        default="cutoff",
+        help="e2e part: every example longer than --seq (each micro-batch exactly --seq tokens), or varied "
+        "lengths from about a quarter of --seq up (SFT data without packing)",
+    )
     bench.add_argument(
         "--peer-site",
         default=None,

@@ -86,7 +86,7 @@ _ALL = (
         "KT_FT_CUDA_GRAPHS",
         "1",
         "0: a layer whose experts are all resident on the GPU launches each kernel of its expert work "
-        "instead of replaying CUDA graphs captured per token count (kt_ft/moe/graphed.py)",
+        "instead of replaying CUDA graphs captured per token-count bucket (kt_ft/moe/graphed.py)",
     ),
     Setting(
         "KT_FT_DEQUANT_CHUNK_MIB",

@@ -209,3 +209,23 @@ def test_the_qwen3_vl_preset_builds_on_meta():
         (qwen3["num_experts"], qwen3["hidden_size"], 2 * qwen3["moe_intermediate_size"]),
     )
     assert config.vision_config.out_hidden_size == qwen3["hidden_size"] and config.vision_config.depth == 27
+
+
+def test_varied_lengths_span_a_quarter_of_cutoff_to_all_of_it(tmp_path):
+    """``--e2e-lengths varied``: the examples' token counts (the trained tokenizer's) spread from
+    about cutoff_len / 4 to past cutoff_len, and the data is rewritten when the choice changes."""
+    from transformers import AutoTokenizer
+
+    from kt_ft.bench.e2e import DATASET, write_assets
+
+    model_dir, data_dir, _ = write_assets(tmp_path, "tiny", None, 256, 24, lengths="varied")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = json.loads((data_dir / f"{DATASET}.json").read_text())
+    counts = sorted(len(tok(r["output"])["input_ids"]) for r in rows)
+    print(counts)
+    assert 48 <= counts[0] <= 128 and counts[-1] >= 200 and len(set(counts)) >= 12, counts
+    with pytest.raises(ValueError, match="valid choices: cutoff, varied"):
+        write_assets(tmp_path, "tiny", None, 256, 24, lengths="short")
+    write_assets(tmp_path, "tiny", None, 256, 24)  # back to cutoff: rewritten, every example long
+    rows = json.loads((data_dir / f"{DATASET}.json").read_text())
+    assert min(len(tok(r["output"])["input_ids"]) for r in rows) > 256

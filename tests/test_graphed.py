@@ -3,7 +3,8 @@ eagerly (``KT_FT_CUDA_GRAPHS=0``): a tiny bf16 Qwen3-MoE, every expert resident,
 AdamW steps with reentrant checkpointing (forward without grad, recompute, backward: the graphs'
 path), without checkpointing (a forward with grad evicts the one before it), with non-reentrant
 checkpointing (saved-tensor hooks: no graph for forwards with grad), and with micro-batches of
-three lengths (two token counts captured, the third eager).
+varied lengths (padded to their token-count bucket; buckets past ``MAX_BUCKETS`` eager). On the CPU
+too: the buckets, and that padding rows change no result of the fused forward and backward.
 
 Both runs take the same kernels in the same order; they differ only in the order of the float
 atomics of ``index_add_`` (the scatter back to tokens). Bounds: losses rel 1e-3 per step, expert
@@ -113,12 +114,93 @@ def test_no_graphs_for_forwards_under_saved_tensor_hooks(tmp_path, monkeypatch):
 
 
 @needs_sm90
-def test_graphs_per_token_count_at_most_two(tmp_path, monkeypatch):
-    """Micro-batches of 24, 40 and 56 tokens in turn: graphs for the first two counts only."""
+def test_lengths_of_one_bucket_share_its_graphs(tmp_path, monkeypatch):
+    """Micro-batches of 24, 40 and 56 tokens in turn: all in the 64-token bucket, so one set of
+    graphs a layer, replayed with 40, 24 and 8 padding rows, trains like eager."""
     model = run_both(tmp_path, monkeypatch, checkpointing=True, lengths=(24, 40, 56), steps=9)
     for m in kt_layers(model):
-        counts = {k[1] for k in m.device_experts.graphs.graphs if k[0] != "backward"}
-        assert counts == {24, 40}, counts
+        buckets = {k[1] for k in m.device_experts.graphs.graphs if k[0] != "backward"}
+        assert buckets == {64}, buckets
+        assert m.device_experts.graphs.replays >= 3 * 7  # every pass after the first two micro-batches
+
+
+@needs_sm90
+def test_graphs_for_at_most_max_buckets(tmp_path, monkeypatch):
+    """Micro-batches of 24, 100 and 200 tokens (buckets 64, 112, 224) with room for two buckets:
+    graphs for the first two, the third eager, the training the same as eager's."""
+    monkeypatch.setattr(graphed, "MAX_BUCKETS", 2)
+    model = run_both(tmp_path, monkeypatch, checkpointing=True, lengths=(24, 100, 200), steps=9)
+    for m in kt_layers(model):
+        buckets = {k[1] for k in m.device_experts.graphs.graphs if k[0] != "backward"}
+        assert buckets == {64, 112}, buckets
+
+
+def test_buckets_round_up_by_at_most_a_quarter():
+    """Every count 1..5000 maps to a bucket no smaller and (past the 64 floor) at most 25% larger;
+    powers of two stay; the buckets per power of two are four."""
+    prev = 0
+    for t in range(1, 5001):
+        b = graphed.bucket_tokens(t)
+        assert b >= t and b >= prev, (t, b)
+        if t > graphed.MIN_BUCKET:
+            assert b <= 1.25 * t, (t, b)
+        prev = b
+    assert [graphed.bucket_tokens(t) for t in (64, 128, 1024, 2048)] == [64, 128, 1024, 2048]
+    assert len({graphed.bucket_tokens(t) for t in range(1025, 2049)}) == 4
+    assert graphed.bucket_tokens(1100) == 1280
+
+
+@pytest.mark.parametrize("variant", ["plain", "gpt_oss"])
+def test_padding_rows_change_no_result(variant):
+    """What a replay of a bucket computes: ``fused_forward`` / ``fused_backward`` on the call's rows
+    padded (``pad_rows``, a zero incoming gradient for the padding) against the unpadded call, on
+    the CPU in float32, fresh random routing and weights (gpt_oss: biased, clamped experts, so a
+    padding row's expert output is not zero). Bound: 1e-5 of each tensor's largest entry (only the
+    order of float sums differs)."""
+    from moe_inputs import GPT_OSS_SPEC, make_problem
+
+    from kt_ft.kernels.grouped_device import Groups, fused_backward, fused_forward, stack_lora
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    T, E, k, H, I, r = 9, 6, 2, 32, 16, 4
+    spec, bias = (GPT_OSS_SPEC, 0.5) if variant == "gpt_oss" else (None, None)
+    base, lora, x, _, _, _ = make_problem(T, E, k, H, I, r, torch.float32, gen, spec=spec, bias_scale=bias)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen)
+    grad = torch.randn(T, H, generator=gen)
+
+    def call(x, ids, w, grad):
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        groups = Groups(torch.bincount(flat, minlength=E), flat.numel())
+        out, saved, meta = fused_forward(
+            x,
+            w,
+            tuple(lora),
+            base,
+            2.0,
+            groups,
+            order,
+            k,
+            lambda *t: stack_lora(*t, torch.float32, base.spec),
+        )
+        return (out, *fused_backward(grad, saved, meta, True, True))
+
+    ref = call(x, ids, w, grad)
+    tb = 16
+    xp, ip, wp = graphed.pad_rows(x, ids, w, tb, E)
+    assert xp.shape == (tb, H) and ip.shape == (tb, k) and wp.shape == (tb, k)
+    assert torch.equal(xp[:T], x) and torch.equal(ip[:T], ids) and not wp[T:].any()
+    gp = torch.cat([grad, grad.new_zeros(tb - T, H)])
+    out, *grads = call(xp, ip, wp, gp)
+    got = (out[:T], *graphed.unpad_grads(tuple(grads), T))
+    names = ["out", "x", "weights", "gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"]
+    for name, a, b in zip(names, got, ref):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+        assert err <= 1e-5, f"{name}: {err:.2e} of its largest entry (seed {seed})"
 
 
 @needs_sm90

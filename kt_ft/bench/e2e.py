@@ -3,7 +3,8 @@
 What a user runs, at the depth the disk allows: a random-weight model of a real config
 (``bench/models.py`` ``MODEL_CONFIGS``; ``--layers`` of its decoder layers, default all), a tokenizer
 trained here, and a dataset of long examples (each longer than ``cutoff_len``, so every micro-batch
-holds exactly ``cutoff_len`` tokens). Each system is one `llamafactory-cli train` process on the
+holds exactly ``cutoff_len`` tokens; ``--e2e-lengths varied``: from about a quarter of ``cutoff_len``
+to all of it, as SFT data without packing gives). Each system is one `llamafactory-cli train` process on the
 same recipe (LoRA r 8 / alpha 16, ``lora_target: all``, batch 1, gradient accumulation 4, bf16 where
 there is a GPU, LLaMA-Factory's default gradient checkpointing, kt-ft's default ``cpu_infer`` unless
 ``--cpu-infer`` says otherwise), differing only in its kt-ft keys:
@@ -144,19 +145,33 @@ def _words(rnd: random.Random, n: int) -> list[str]:
     return ["".join(rnd.choice(_SYLLABLES) for _ in range(rnd.randint(1, 3))) for _ in range(n)]
 
 
+LENGTHS = ("cutoff", "varied")  # the dataset's example lengths (``write_assets``)
+
+
 def write_assets(
-    workdir: Path, preset: str, layers: int | None, cutoff_len: int, examples: int, seed: int = 0
+    workdir: Path,
+    preset: str,
+    layers: int | None,
+    cutoff_len: int,
+    examples: int,
+    seed: int = 0,
+    lengths: str = "cutoff",
 ) -> tuple[Path, Path, int]:
     """``workdir/model`` (random bf16 weights of ``preset`` at ``layers`` decoder layers, and a
     tokenizer trained here) and ``workdir/data`` (``examples`` alpaca examples, each longer than
-    ``cutoff_len`` tokens). Kept and reused when ``workdir/assets.json`` says they match.
+    ``cutoff_len`` tokens; ``lengths="varied"``: of uniformly random lengths from about
+    ``cutoff_len / 4`` up). Kept and reused when ``workdir/assets.json`` says they match.
     Returns (model dir, data dir, layers)."""
+    if lengths not in LENGTHS:
+        raise ValueError(f"--e2e-lengths {lengths!r}: valid choices: {', '.join(LENGTHS)}")
     real = real_layers(preset) if is_vl(preset) else MODEL_CONFIGS[preset][1]["num_hidden_layers"]
     layers = real if layers is None else layers
     if not 1 <= layers <= real:
         raise ValueError(f"--layers {layers}: {preset} has {real} decoder layers (valid: 1..{real})")
     model_dir, data_dir = workdir / "model", workdir / "data"
     want = {"preset": preset, "layers": layers, "cutoff_len": cutoff_len, "examples": examples, "seed": seed}
+    if lengths != "cutoff":
+        want["lengths"] = lengths
     stamp = workdir / "assets.json"
     if stamp.is_file() and json.loads(stamp.read_text()) == want and (model_dir / "config.json").is_file():
         print(f"reusing {model_dir} and {data_dir} ({stamp})")
@@ -176,8 +191,16 @@ def write_assets(
     # no larger than the model's vocabulary: LLaMA-Factory would resize the embeddings otherwise
     vocab = min(2048, MODEL_CONFIGS[preset][1]["vocab_size"])
     tokenizer = train_tokenizer(texts[:64] + ["user assistant system"], vocab_size=vocab)
-    shortest = min(len(tokenizer(t)["input_ids"]) for t in texts)
-    if shortest <= cutoff_len:
+    counts = [len(tokenizer(t)["input_ids"]) for t in texts]
+    if lengths == "varied":  # each cut to a random cutoff_len / 4 .. cutoff_len tokens (by its words)
+        for i, (t, n) in enumerate(zip(texts, counts)):
+            words = t.split()
+            texts[i] = " ".join(words[: len(words) * rnd.randint(cutoff_len // 4, cutoff_len) // n])
+        counts = [len(tokenizer(t)["input_ids"]) for t in texts]
+    shortest = min(counts)
+    if lengths == "varied":
+        print(f"example lengths {shortest}..{max(counts)} tokens (cutoff_len {cutoff_len})")
+    elif shortest <= cutoff_len:
         raise RuntimeError(f"generated examples are too short: {shortest} tokens <= cutoff_len {cutoff_len}")
     data_dir.mkdir(parents=True)
     rows = [{"instruction": "Continue the text.", "input": "", "output": t} for t in texts]
@@ -608,6 +631,7 @@ def run_e2e(
     json_path: str | None = None,
     keep_model: bool = True,
     peer_site: str | None = None,
+    lengths: str = "cutoff",
 ) -> list[E2ERecord]:
     """Write the assets, run every system (in order, one process each), print the table.
     ``peer_site``: the directory holding transformers-kt, accelerate-kt and kt-kernel for ``kt-peer``."""
@@ -622,7 +646,7 @@ def run_e2e(
     # the runs' GPU as nvidia-smi names it: CUDA_VISIBLE_DEVICES's first entry (an index or a UUID)
     gpu_index = (os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip() or "0") if cuda else None
     examples = steps * grad_accum + 8
-    args = (workdir, preset, layers, cutoff_len, examples)
+    args = (workdir, preset, layers, cutoff_len, examples, 0, lengths)
     if cuda:
         # in a child process: the model is built on the GPU, and the CUDA context (~0.6 GiB on an
         # H200) leaves with the child, so what the driver reports during the runs is theirs alone

@@ -5,7 +5,12 @@ time, not the GPU's: each of the ~20 kernels of ``FusedGroupedExperts``'s forwar
 backward costs its launch and the Python around it (a profiled DeepSeek-V2-Lite step: 128 ms of a
 micro-batch in the experts' host time, 3x transformers' own experts, which have no expert LoRA).
 The work itself has no host sync and fixed shapes for a fixed token count (the routing stays on
-the device: ``torch._grouped_mm``'s offsets), so it is captured once per token count and replayed:
+the device: ``torch._grouped_mm``'s offsets), so it is captured once per token-count bucket and
+replayed. A bucket (``bucket_tokens``) is the token count rounded up to one of 4 steps per power of
+two (at most 25% more rows; 2,048 stays 2,048): a call of fewer tokens fills the rest with padding
+rows -- zero inputs, routing weight 0, zero incoming gradient, so they add exactly nothing to the
+output or any gradient, only GPU time. So micro-batches of varied lengths (SFT data without packing)
+replay a handful of graphs instead of running eagerly after the first two lengths.
 
 - forward without grad (the first pass of a reentrant-checkpointed layer, evaluation): copy the
   inputs into static buffers, replay, clone the output;
@@ -23,8 +28,8 @@ re-creates saved tensors through them) forwards with grad run eagerly: nothing h
 
 Only where it is safe and pays: CUDA, every expert of the layer resident, dense weights, the
 expert LoRA on the GPU, no ``kt_gpu_memory`` cap (the graphs' pool is memory the plan does not
-count), room on the GPU, at most ``MAX_TOKEN_COUNTS`` token counts a layer (variable-length
-micro-batches beyond those run eagerly), unless ``KT_FT_CUDA_GRAPHS=0``. Every refusal or failure
+count), room on the GPU, at most ``MAX_BUCKETS`` buckets a layer (micro-batches in others run
+eagerly), unless ``KT_FT_CUDA_GRAPHS=0``. Every refusal or failure
 falls back to the eager path (``device_experts.py``), with one log line; the numbers are the same
 kernels' in the same order.
 """
@@ -42,8 +47,9 @@ from ..settings import enabled
 
 logger = get_logger(__name__)
 
-MAX_TOKEN_COUNTS = 2  # token counts a layer captures graphs for; calls with others run eagerly
-SEEN_BEFORE_CAPTURE = 1  # eager calls of a token count (which warm its kernels up) before capture
+MAX_BUCKETS = 6  # token-count buckets a layer captures graphs for; calls in others run eagerly
+SEEN_BEFORE_CAPTURE = 1  # eager calls of a bucket (which warm its kernels up) before capture
+MIN_BUCKET = 64  # the smallest bucket: shorter calls (generation's one token) pad to it
 _N_SAVED = 13  # fused_forward's saved tensors kept in the workspace (the base weights are static)
 _GRAD_NAMES = ("grad_x", "grad_w", *(f"grad_lora{i}" for i in range(6)))  # fused_backward's, in order
 _forbidden: str | None = None  # why graphs are off for this process (a GPU memory cap)
@@ -87,6 +93,53 @@ def _log_once(key: str, msg: str) -> None:
     if key not in _logged:
         _logged.add(key)
         logger.info(msg)
+
+
+def bucket_tokens(tokens: int) -> int:
+    """The token count a call of ``tokens`` tokens replays at: rounded up to a multiple of an
+    eighth of the next power of two (so 4 buckets per power of two, at most 25% padding rows;
+    powers of two and 5, 6, 7 eighths of one stay as they are), at least ``MIN_BUCKET``."""
+    if tokens <= MIN_BUCKET:
+        return MIN_BUCKET
+    step = 1 << ((tokens - 1).bit_length() - 3)
+    return -(-tokens // step) * step
+
+
+_fillers: dict[tuple, torch.Tensor] = {}
+
+
+def pad_ids(tokens: int, k: int, experts: int, device) -> torch.Tensor:
+    """[tokens, k] int64 on ``device``: the expert ids of padding rows, spread round-robin over the
+    ``experts`` (so no expert's group grows by more than ~tokens k / experts rows). Cached."""
+    key = (tokens, k, experts, torch.device(device))
+    t = _fillers.get(key)
+    if t is None:
+        t = _fillers[key] = (torch.arange(tokens * k, device=device) % experts).view(tokens, k)
+    return t
+
+
+def pad_rows(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, tokens: int, experts: int):
+    """(x [tokens, H], local [tokens, k], weights [tokens, k]): the call's rows, then padding rows
+    (zero inputs, ``pad_ids``, routing weight 0) up to ``tokens``; the inputs as they are when
+    already that long. A padding row's pairs add w d = 0 to the output, and with a zero incoming
+    gradient nothing to any gradient."""
+    t = x.shape[0]
+    if t == tokens:
+        return x, local, weights
+    xp = x.new_zeros(tokens, *x.shape[1:])
+    xp[:t] = x
+    lp = pad_ids(tokens, local.shape[1], experts, local.device).clone()
+    lp[:t] = local
+    wp = weights.new_zeros(tokens, weights.shape[1])
+    wp[:t] = weights
+    return xp, lp, wp
+
+
+def unpad_grads(grads: tuple, tokens: int) -> tuple:
+    """``fused_backward``'s (grad_x, grad_w, six LoRA grads) of a padded call -> those of its first
+    ``tokens`` rows (the LoRA gradients are sums over rows: padding rows added zero to them)."""
+    gx, gw, *lo = grads
+    return (None if gx is None else gx[:tokens], None if gw is None else gw[:tokens], *lo)
 
 
 def saved_tensor_hooks_active() -> bool:
@@ -145,8 +198,9 @@ _workspaces: dict[tuple, Workspace] = {}
 class _Pending:
     """One forward with grad, until its backward: its tensors in the workspace, or copies."""
 
-    def __init__(self, ws: Workspace, key: tuple, meta: FusedMeta) -> None:
+    def __init__(self, ws: Workspace, key: tuple, meta: FusedMeta, tokens: int) -> None:
         self.ws, self.key, self.meta = ws, key, meta
+        self.tokens = tokens  # the call's own rows (key[1], the bucket, may be more)
         self.in_workspace = True
         self.saved: tuple[torch.Tensor, ...] | None = None
         self.counts: torch.Tensor | None = None
@@ -221,42 +275,45 @@ class LayerGraphs:
         _log_once(reason, f"CUDA graphs of resident experts: off ({reason}); the layers run eagerly")
 
     def run(self, x, local, weights, lora, k: int) -> torch.Tensor | None:
-        """The layer's device share [T, H] in x's dtype from a graph, or None (run eagerly)."""
+        """The layer's device share [T, H] in x's dtype from a graph of T's bucket
+        (``bucket_tokens``), or None (run eagerly)."""
         if not self._usable(x, lora):
             return None
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, weights, *lora))
-        key = (grad, x.shape[0], k, x.dtype, weights.dtype, local.dtype)
+        tb = bucket_tokens(x.shape[0])
+        key = (grad, tb, k, x.dtype, weights.dtype, local.dtype)
         if grad:
             cap = self.graphs.get(key)
-            ws = cap.ws if cap is not None else self._workspace(x, local, weights, lora)
+            ws = cap.ws if cap is not None else self._workspace(tb, x, local, weights, lora)
             if not ws.keep_saved or saved_tensor_hooks_active():
                 return None
         if key not in self.graphs:
-            counts = {kk[1] for kk in self.graphs if kk[0] != "backward"}
-            if x.shape[0] not in counts and len(counts) >= MAX_TOKEN_COUNTS:
+            buckets = {kk[1] for kk in self.graphs if kk[0] != "backward"}
+            if tb not in buckets and len(buckets) >= MAX_BUCKETS:
                 return None
             self.seen[key] = self.seen.get(key, 0) + 1
             if self.seen[key] <= SEEN_BEFORE_CAPTURE or not self._capture_forward(
-                key, x, local, weights, lora, grad
+                key, *pad_rows(x, local, weights, tb, len(self.dev.ids)), lora, grad
             ):
                 return None
         if grad:
             return _GraphedExperts.apply(x, local, weights, *lora, (self, key))
         return self._replay_forward(key, x, local, weights, None)
 
-    def forward_pending(self, key) -> _Pending:
+    def forward_pending(self, key, tokens: int) -> _Pending:
         cap = self.graphs[key]
-        return _Pending(cap.ws, key, cap.meta)
+        return _Pending(cap.ws, key, cap.meta, tokens)
 
     # -- forward ------------------------------------------------------------------------------
 
-    def _workspace(self, x, local, weights, lora) -> Workspace:
+    def _workspace(self, tokens: int, x, local, weights, lora) -> Workspace:
+        """The workspace of calls like these (x [T, H], local [T, k]) in the bucket of ``tokens``."""
         base = self.dev.resident.weights
         sig = (
             x.device,
-            tuple(x.shape),
+            (tokens, *x.shape[1:]),
             x.dtype,
-            tuple(local.shape),
+            (tokens, *local.shape[1:]),
             weights.dtype,
             tuple(base.gate_up.shape),
             tuple(base.down.shape),
@@ -293,7 +350,8 @@ class LayerGraphs:
         return free + cached >= 3 * nbytes + 2**30
 
     def _capture_forward(self, key, x, local, weights, lora, grad: bool) -> bool:
-        ws = self._workspace(x, local, weights, lora)
+        """Capture the forward of ``key`` from one call's inputs, already padded to its bucket."""
+        ws = self._workspace(key[1], x, local, weights, lora)
         k = key[2]
         try:
             # warm-up on a side stream (lazy initialisations stay out of the capture); its tensors
@@ -330,7 +388,7 @@ class LayerGraphs:
         self.captures += 1
         _log_once(
             "captured",
-            f"CUDA graphs: the expert work of resident layers is captured per token count ({x.shape[0]} "
+            f"CUDA graphs: the expert work of resident layers is captured per token-count bucket ({x.shape[0]} "
             "tokens first) and replayed (KT_FT_CUDA_GRAPHS=0: launched eagerly)",
         )
         return True
@@ -340,12 +398,18 @@ class LayerGraphs:
         ws = cap.ws
         if pending is not None:  # a forward with grad: it writes the saved buffers
             ws.claim(pending)
-        ws.bufs["x"].copy_(x)
-        ws.bufs["local"].copy_(local)
-        ws.bufs["weights"].copy_(weights)
+        t, tb = x.shape[0], key[1]
+        bx, bl, bw = ws.bufs["x"], ws.bufs["local"], ws.bufs["weights"]
+        bx[:t].copy_(x)
+        bl[:t].copy_(local)
+        bw[:t].copy_(weights)
+        if t < tb:  # padding rows (``pad_rows``): a longer call of this bucket may have written them
+            bx[t:].zero_()
+            bl[t:].copy_(pad_ids(tb, key[2], len(self.dev.ids), bl.device)[t:])
+            bw[t:].zero_()
         cap.graph.replay()
         self.replays += 1
-        return ws.bufs["out"].clone()
+        return ws.bufs["out"][:t].clone()
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -354,6 +418,12 @@ class LayerGraphs:
         ws, meta = pending.ws, pending.meta
         acc = accum_dtype(self.dev.dtype)
         base = self.dev.resident.weights
+        t, tb = pending.tokens, pending.key[1]
+
+        def padded_grad():  # [tb, H] accum dtype: zero for the padding rows
+            go = grad_out.to(acc)
+            return go if t == tb else torch.cat([go, go.new_zeros(tb - t, *go.shape[1:])])
+
         if not pending.in_workspace:  # evicted: its own copies, eagerly
             if pending.saved is None:
                 raise RuntimeError(
@@ -363,20 +433,27 @@ class LayerGraphs:
             m = meta._replace(groups=Groups(pending.counts, pending.saved[0].shape[0]))
             saved = (*pending.saved, base.gate_up, base.down)
             pending.saved = None
-            return fused_backward(grad_out.to(acc), saved, m, needs_x, needs_w)
+            return unpad_grads(fused_backward(padded_grad(), saved, m, needs_x, needs_w), t)
         bkey = ("backward", pending.key, needs_x, needs_w)
-        if bkey not in self.graphs and not self._capture_backward(bkey, ws, meta, grad_out, needs_x, needs_w):
-            out = self._backward_body(ws, meta, grad_out.to(acc), needs_x, needs_w)
+        if bkey not in self.graphs and not self._capture_backward(
+            bkey, ws, meta, padded_grad(), needs_x, needs_w
+        ):
+            out = self._backward_body(ws, meta, padded_grad(), needs_x, needs_w)
             pending.in_workspace = False
             ws.owner = None
-            return out
-        ws.bufs["grad_out"].copy_(grad_out)
+            return unpad_grads(out, t)
+        go = ws.bufs["grad_out"]
+        go[:t].copy_(grad_out)
+        if t < tb:
+            go[t:].zero_()
         self.graphs[bkey].graph.replay()
         self.replays += 1
         pending.in_workspace = False
         ws.owner = None
         return tuple(
-            ws.bufs[n].clone() if n in ws.bufs and self._wanted(n, needs_x, needs_w) else None
+            (ws.bufs[n][:t] if n in ("grad_x", "grad_w") else ws.bufs[n]).clone()
+            if n in ws.bufs and self._wanted(n, needs_x, needs_w)
+            else None
             for n in _GRAD_NAMES
         )
 
@@ -390,6 +467,7 @@ class LayerGraphs:
         return fused_backward(go, (*ws.saved(), base.gate_up, base.down), m, needs_x, needs_w)
 
     def _capture_backward(self, bkey, ws: Workspace, meta: FusedMeta, grad_out, needs_x, needs_w) -> bool:
+        """Capture the backward ``bkey`` from one incoming gradient, padded to the bucket ([tb, H])."""
         acc = accum_dtype(self.dev.dtype)
         go = ws.buffer("grad_out", grad_out.to(acc))
         try:
@@ -425,7 +503,7 @@ class _GraphedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, local, weights, ga, gb, ua, ub, da, db, lg_key):
         lg, key = lg_key
-        pending = lg.forward_pending(key)
+        pending = lg.forward_pending(key, x.shape[0])
         ctx.lg, ctx.pending = lg, pending
         return lg._replay_forward(key, x, local, weights, pending)
 
