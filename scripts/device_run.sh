@@ -7,7 +7,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kt-ft-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.ktk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-PARTS=${PARTS:-tests,op,step}  # also: e2e, gen, overlap, placement, probe, qprobe, scaling
+PARTS=${PARTS:-tests,op,step}  # also: e2e, gen, gpuprobe, overlap, placement, probe, qprobe, scaling
 if [[ ",$PARTS," == *,e2e,* || ",$PARTS," == *,gen,* ]]; then
   # the product path: LLaMA-Factory 0.9.5's stack and a kt-ft wheel (its .pth start-up hook) installed
   # for real into the machine's python (carry .whl: `pip download` list in docs/benchmarks.md)
@@ -97,6 +97,12 @@ fi
 # the native grouped GEMMs at the op's own call against the thread count (scripts/grouped_scaling_probe.py)
 [[ ",$PARTS," == *,scaling,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/grouped_scaling_probe.py \
   "${SCALING_THREADS:-1,2,4,8,14,16}" 2>&1 | tee "$OUT/scaling_probe.log"
+# one layer's expert work on the GPU, kt-ft's fused grouped experts against transformers' grouped_mm
+# experts: GPU time and kernels (scripts/expert_gpu_probe.py; GPU_PROBE_PRESETS, GPU_PROBE_TOKENS)
+for preset in ${GPU_PROBE_PRESETS:-qwen3-30b-a3b deepseek-v2-lite}; do
+  [[ ",$PARTS," == *,gpuprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/expert_gpu_probe.py "$preset" \
+    "${GPU_PROBE_TOKENS:-2048}" 2>&1 | tee "$OUT/gpu_probe-$preset.log"
+done
 [[ ",$PARTS," == *,qprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/q_probe.py --threads "$THREADS" 2>&1 \
   | tee "$OUT/q_probe.log"
 # shared experts beside the CPU op (kt_ft/moe/beside.py): the same kt-ft step with the overlap off / on

@@ -1,0 +1,149 @@
+"""Where one MoE layer's expert work spends GPU time: kt-ft's fused grouped experts (the body its
+CUDA graphs replay: ``fused_forward`` / ``fused_backward``, expert LoRA trained) against
+transformers' own ``grouped_mm`` experts (what HF + PEFT runs: no expert LoRA, frozen weights, so
+its backward is the input gradient only), at a preset's layer shape with random routing.
+
+Per system: GPU busy time (kernel durations summed, torch.profiler) of the forward and of the
+backward, and a step's share under LLaMA-Factory's reentrant checkpointing (forward twice, backward
+once); then each system's kernels by GPU time. A diagnostic: the e2e bench is the measurement.
+
+    PYTHONPATH=. python scripts/expert_gpu_probe.py [PRESET] [TOKENS]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kt_ft.bench.models import MODEL_CONFIGS
+from kt_ft.kernels.base import ExpertWeights
+from kt_ft.kernels.grouped_device import Groups, fused_backward, fused_forward, stack_lora
+
+PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
+TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
+RANK = 8
+
+
+def shape(preset: str) -> tuple[int, int, int, int]:
+    """(H, I, E, k) of the preset's routed experts."""
+    cfg = MODEL_CONFIGS[preset][1]
+    experts = cfg.get("num_experts", cfg.get("n_routed_experts"))
+    return cfg["hidden_size"], cfg["moe_intermediate_size"], experts, cfg["num_experts_per_tok"]
+
+
+def kernels(fn, repeat: int = 3) -> tuple[float, list[tuple[str, int, float]]]:
+    """(GPU-busy ms per call, [(kernel, calls per call, ms per call)]) of ``fn`` over ``repeat`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+    rows = [
+        (e.key, e.count // repeat, e.self_device_time_total / 1e3 / repeat)
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
+    rows.sort(key=lambda r: -r[2])
+    return sum(r[2] for r in rows), rows
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    H, inter, E, k = shape(PRESET)
+    T = TOKENS
+    print(
+        f"{PRESET}: H {H}, I {inter}, {E} experts top-{k}, {T} tokens, LoRA r {RANK}, {torch.cuda.get_device_name()}"
+    )
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    logits = torch.randn(T, E, device=dev)
+    w, ids = torch.softmax(logits, -1).topk(k, -1)
+    w = (w / w.sum(-1, keepdim=True)).to(dt)
+    gate_up = torch.randn(E, 2 * inter, H, device=dev, dtype=dt) * H**-0.5
+    down = torch.randn(E, H, inter, device=dev, dtype=dt) * inter**-0.5
+    base = ExpertWeights(gate_up, down)
+    lora = tuple(
+        torch.randn(*s, device=dev) * 0.01
+        for s in (
+            (E, RANK, H),
+            (E, inter, RANK),
+            (E, RANK, H),
+            (E, inter, RANK),
+            (E, RANK, inter),
+            (E, H, RANK),
+        )
+    )
+    cast = stack_lora(*lora, dt, base.spec)
+    grad = torch.randn(T, H, device=dev, dtype=torch.float32)
+
+    def kt_forward():
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(E, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+        out, saved, meta = fused_forward(
+            x, w, lora, base, 2.0, Groups(counts, flat.numel()), order, k, lambda *a: cast
+        )
+        return out.to(dt), saved, meta
+
+    state = {}
+
+    def kt_fwd():
+        state["fwd"] = kt_forward()
+
+    def kt_bwd():
+        _, saved, meta = state["fwd"]
+        fused_backward(grad, saved, meta, True, True)
+
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=inter, num_experts=E, num_experts_per_tok=k)
+    cfg._experts_implementation = "grouped_mm"
+    hf = Qwen3MoeExperts(cfg).to(dev, dt)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(gate_up)
+        hf.down_proj.copy_(down)
+    hf.requires_grad_(False)
+    xg = x.detach().requires_grad_()
+
+    def hf_fwd_nograd():
+        with torch.no_grad():
+            hf(x, ids, w)
+
+    def hf_fwd():
+        state["hf"] = hf(xg, ids, w)
+
+    def hf_bwd():
+        state["hf"].backward(grad.to(dt))
+
+    def both(f, b):
+        def run():
+            f()
+            b()
+
+        return run
+
+    systems = {
+        "kt-ft fused (expert LoRA)": (kt_fwd, both(kt_fwd, kt_bwd)),
+        "transformers grouped_mm (HF+PEFT)": (hf_fwd_nograd, both(hf_fwd, hf_bwd)),
+    }
+    tables = {}
+    for name, (fwd, fwd_bwd) in systems.items():
+        f_ms, _ = kernels(fwd)
+        fb_ms, rows = kernels(fwd_bwd)
+        tables[name] = rows
+        step = f_ms + fb_ms  # checkpointed: a forward without grad, then the recompute and the backward
+        print(
+            f"{name:<36} forward {f_ms:6.3f} ms  backward {fb_ms - f_ms:6.3f} ms  checkpointed layer {step:6.3f} ms"
+        )
+    for name, rows in tables.items():
+        print(f"\n{name}: forward + backward, kernels by GPU time (ms a call, launches)")
+        for key, count, ms in rows[:30]:
+            print(f"  {ms:7.3f} {count:4d}  {key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
