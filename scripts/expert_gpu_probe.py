@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kt_ft.bench.models import MODEL_CONFIGS
 from kt_ft.kernels.base import ExpertWeights
-from kt_ft.kernels.grouped_device import Groups, fused_backward, fused_forward, stack_lora
+from kt_ft.kernels.grouped_device import Groups, combine_all, fused_backward, fused_forward, stack_lora
 
 PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
 TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
@@ -139,6 +139,23 @@ def main() -> None:
         print(
             f"{name:<36} forward {f_ms:6.3f} ms  backward {fb_ms - f_ms:6.3f} ms  checkpointed layer {step:6.3f} ms"
         )
+    # the scatter back to tokens: fp32 atomics (index_add_, what pairs split with the CPU op take)
+    # against the gather + batched product of a call whose pairs are all on the GPU (combine_all)
+    d = torch.randn(T * k, H, device=dev, dtype=dt)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = torch.div(order, k, rounding_mode="floor")
+    ws = w.reshape(-1).index_select(0, order).float()
+
+    def scatter():
+        out = torch.zeros(T, H, device=dev)
+        out.index_add_(0, tok, d * ws[:, None])
+
+    for name, fn in (
+        ("index_add_ (fp32 atomics)", scatter),
+        ("gather + bmm", lambda: combine_all(d, w, order, torch.float32)),
+    ):
+        print(f"combine, {name:<28} {kernels(fn)[0]:6.3f} ms")
     for name, rows in tables.items():
         print(f"\n{name}: forward + backward, kernels by GPU time (ms a call, launches)")
         for key, count, ms in rows[:30]:

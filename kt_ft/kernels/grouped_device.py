@@ -288,9 +288,12 @@ def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast):
     if base.down_bias is not None:
         d += base.down_bias.index_select(0, groups.row_expert)
     ws = w.reshape(-1).index_select(0, pairs).to(acc)  # [N]
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
-    for lo_, hi in _row_slices(d.shape[0]):  # the weighted accum-dtype rows one slice at a time
-        out.index_add_(0, tok[lo_:hi], d[lo_:hi] * ws[lo_:hi, None])  # promoted to ws's accum dtype
+    if pairs.numel() == w.numel():  # every (token, slot) pair of the call is here: gather, no atomics
+        out = combine_all(d, w, pairs, acc)
+    else:
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
+        for lo_, hi in _row_slices(d.shape[0]):  # the weighted accum-dtype rows one slice at a time
+            out.index_add_(0, tok[lo_:hi], d[lo_:hi] * ws[lo_:hi, None])  # promoted to ws's accum dtype
     # quantized weights: their stored tensors are saved (streamed ones are views of a stream
     # buffer, which the saved-tensor hooks of ``moe/streamed.py`` fetch back at backward), and
     # the structure to rebuild them on ctx
@@ -373,13 +376,38 @@ def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
         wgu_x = base_mm(dgu, w_gu, groups, spec.transposed)
         del dgu
         dxs = wgu_x.add_(grouped_mm(dpa, a_gu, groups))
-        grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)
-        for lo_, hi in _row_slices(dxs.shape[0]):  # the accum-dtype copy one slice at a time
-            grad_x.index_add_(0, tok[lo_:hi], dxs[lo_:hi].to(grad_out.dtype))
+        if pairs.numel() == w_shape.numel():  # every pair of the call: a token's k rows summed, no atomics
+            grad_x = _by_token(dxs, pairs, w_shape[-1]).sum(1, dtype=grad_out.dtype)
+        else:
+            grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)
+            for lo_, hi in _row_slices(dxs.shape[0]):  # the accum-dtype copy one slice at a time
+                grad_x.index_add_(0, tok[lo_:hi], dxs[lo_:hi].to(grad_out.dtype))
         grad_x = grad_x.to(x_dtype)
     lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)
     lora_grads = [g_.to(dtype) for g_, dtype in zip(lo, lora_dtypes)]
     return (grad_x, grad_w, *lora_grads)
+
+
+def _by_token(rows: torch.Tensor, pairs: torch.Tensor, k: int) -> torch.Tensor:
+    """rows [T k, X] sorted by expert (row i holds flat pair ``pairs[i]``, a permutation of 0..T k-1)
+    -> [T, k, X] in pair order: one gather through the inverse permutation."""
+    n = pairs.numel()
+    inv = torch.empty_like(pairs).scatter_(0, pairs, torch.arange(n, device=pairs.device))
+    return rows.index_select(0, inv).view(n // k, k, rows.shape[1])
+
+
+def combine_all(d: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """d [T k, H] (every pair of the call, sorted by expert), w [T, k] -> out [T, H] ``acc``,
+    out[t] = sum_j w[t, j] d[pair (t, j)]: a gather of d into pair order and one batched product
+    (fp32 accumulation inside it), where a scatter with float atomics into a zeroed [T, H] fp32
+    output took a [T k, H] fp32 temporary and T k H atomic adds. With w in d's dtype the product
+    is d's dtype, rounded once (the MoE block rounds the share to that dtype anyway); else the
+    weighted rows are summed in ``acc``."""
+    t, k = w.shape
+    dg = _by_token(d, pairs, k)  # [T, k, H]
+    if w.dtype == d.dtype:
+        return torch.bmm(w.view(t, 1, k), dg).view(t, -1).to(acc)
+    return (dg.to(acc) * w.to(acc)[..., None]).sum(1)
 
 
 BACKWARD_SLICE_ROWS = 4096  # rows of (token, expert) pairs a slice of the backward's fp32 work
