@@ -395,7 +395,7 @@ class Replanner:
             f"placement: auto: the non-expert work of a micro-batch (forward + backward, routed experts "
             f"skipped) took {s * 1e3:.1f} ms in this run (its FLOPs at the GPU's matmul rate said "
             f"{before.nonexpert_s * 1e3:.1f} ms{gpu}): predicted step {pred.step_s * 1e3:.3f} ms, "
-            f"{tokens / pred.step_s:,.0f} tokens/s (routed experts {(pred.step_s - s) * 1e3:.1f} ms)"
+            f"{tokens / pred.step_s:,.0f} tokens/s ({(pred.step_s - s) * 1e3:.1f} ms beyond the non-expert work's)"
         )
         if run.peak_bytes is not None:
             self._reserve_measured_memory(run.peak_bytes)
