@@ -88,6 +88,7 @@ def test_graphs_train_like_eager_under_reentrant_checkpointing(tmp_path, monkeyp
     """LLaMA-Factory's default: each layer's forward without grad, then its recompute and backward.
     From the second step on every pass of every layer is a replay (3 graphs a layer)."""
     torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(graphed, "SEEN_BEFORE_CAPTURE", 1)  # captured in step 2
     model = run_both(tmp_path, monkeypatch, checkpointing=True, steps=4)
     layers = kt_layers(model)
     assert [m.device_experts.graphs.captures for m in layers] == [3, 3]
@@ -101,6 +102,7 @@ def test_graphs_without_checkpointing_evict_and_fall_back(tmp_path, monkeypatch)
     """Every forward before any backward: the second layer's forward with grad copies the first
     layer's tensors out of the shared buffers (whose backward then runs eagerly), and forwards with
     grad run eagerly from then on."""
+    monkeypatch.setattr(graphed, "SEEN_BEFORE_CAPTURE", 1)
     model = run_both(tmp_path, monkeypatch, checkpointing=None, steps=3)
     assert [ws.keep_saved for ws in graphed._workspaces.values()] == [False]
     assert sum(m.device_experts.graphs.replays for m in kt_layers(model)) > 0
@@ -109,6 +111,7 @@ def test_graphs_without_checkpointing_evict_and_fall_back(tmp_path, monkeypatch)
 @needs_sm90
 def test_no_graphs_for_forwards_under_saved_tensor_hooks(tmp_path, monkeypatch):
     """Non-reentrant checkpointing saves through its hooks in both passes: no graph replays."""
+    monkeypatch.setattr(graphed, "SEEN_BEFORE_CAPTURE", 1)  # a capture would come in step 2
     model = run_both(tmp_path, monkeypatch, checkpointing=False, steps=3)
     assert [m.device_experts.graphs.replays for m in kt_layers(model)] == [0, 0]
 
@@ -116,12 +119,14 @@ def test_no_graphs_for_forwards_under_saved_tensor_hooks(tmp_path, monkeypatch):
 @needs_sm90
 def test_lengths_of_one_bucket_share_its_graphs(tmp_path, monkeypatch):
     """Micro-batches of 24, 40 and 56 tokens in turn: all in the 64-token bucket, so one set of
-    graphs a layer, replayed with 40, 24 and 8 padding rows, trains like eager."""
+    graphs a layer (captured at the bucket's use SEEN_BEFORE_CAPTURE + 1), replayed with 40, 24
+    and 8 padding rows, trains like eager."""
     model = run_both(tmp_path, monkeypatch, checkpointing=True, lengths=(24, 40, 56), steps=9)
     for m in kt_layers(model):
         buckets = {k[1] for k in m.device_experts.graphs.graphs if k[0] != "backward"}
         assert buckets == {64}, buckets
-        assert m.device_experts.graphs.replays >= 3 * 7  # every pass after the first two micro-batches
+        # the forward, the recompute and the backward of every step after the eager ones
+        assert m.device_experts.graphs.replays == 3 * (9 - graphed.SEEN_BEFORE_CAPTURE)
 
 
 @needs_sm90
@@ -129,6 +134,7 @@ def test_graphs_for_at_most_max_buckets(tmp_path, monkeypatch):
     """Micro-batches of 24, 100 and 200 tokens (buckets 64, 112, 224) with room for two buckets:
     graphs for the first two, the third eager, the training the same as eager's."""
     monkeypatch.setattr(graphed, "MAX_BUCKETS", 2)
+    monkeypatch.setattr(graphed, "SEEN_BEFORE_CAPTURE", 1)  # each length comes 3 times
     model = run_both(tmp_path, monkeypatch, checkpointing=True, lengths=(24, 100, 200), steps=9)
     for m in kt_layers(model):
         buckets = {k[1] for k in m.device_experts.graphs.graphs if k[0] != "backward"}

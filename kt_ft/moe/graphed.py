@@ -48,7 +48,12 @@ from ..settings import enabled
 logger = get_logger(__name__)
 
 MAX_BUCKETS = 6  # token-count buckets a layer captures graphs for; calls in others run eagerly
-SEEN_BEFORE_CAPTURE = 1  # eager calls of a bucket (which warm its kernels up) before capture
+# eager calls of a bucket before its capture: the first warms its kernels up; waiting for two more
+# leaves buckets a run meets once or twice uncaptured. Why: a bucket's capture (3 graphs a layer,
+# with a warm-up run each) costs more than a few replays save -- on varied-length data (DeepSeek-V2-
+# Lite, 16 micro-batches in 9 buckets, capture at the second use) the run was 1.23x slower than
+# without graphs; data of one length loses 2 micro-batches' worth of replays
+SEEN_BEFORE_CAPTURE = 3
 MIN_BUCKET = 64  # the smallest bucket: shorter calls (generation's one token) pad to it
 _N_SAVED = 13  # fused_forward's saved tensors kept in the workspace (the base weights are static)
 _GRAD_NAMES = ("grad_x", "grad_w", *(f"grad_lora{i}" for i in range(6)))  # fused_backward's, in order
