@@ -18,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kt_ft.bench.models import MODEL_CONFIGS
+from kt_ft.kernels import grouped_device as gdev
 from kt_ft.kernels.base import ExpertWeights
 from kt_ft.kernels.grouped_device import Groups, combine_all, fused_backward, fused_forward, stack_lora
 
@@ -156,6 +157,51 @@ def main() -> None:
         ("gather + bmm", lambda: combine_all(d, w, order, torch.float32)),
     ):
         print(f"combine, {name:<28} {kernels(fn)[0]:6.3f} ms")
+    # each grouped product of kt-ft's pass alone, at the layer's shapes and groups (N pairs sorted
+    # by expert): what the expert LoRA's rank-sized products cost beside the base ones, and what
+    # widening a base product by the LoRA A rows (one product for both) would cost instead
+    n, r = T * k, RANK
+    groups = Groups(torch.bincount(ids.reshape(-1), minlength=E), n)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=dev, dtype=dt)
+
+    xs, pa, h, pd, gdd, dgu, ts, dpa = (
+        rnd(n, H),
+        rnd(n, 2 * r),
+        rnd(n, inter),
+        rnd(n, r),
+        rnd(n, H),
+        rnd(n, 2 * inter),
+        rnd(n, r),
+        rnd(n, 2 * r),
+    )
+    a_gu, b_gu, ad, bd = rnd(E, 2 * r, H), rnd(E, 2 * inter, 2 * r), rnd(E, r, inter), rnd(E, H, r)
+    wide_gu, wide_d = rnd(E, 2 * inter + 2 * r, H), rnd(E, H + r, inter)
+    t_ = gdev._t
+    products = {
+        "fwd gate_up base [N,H]x[H,2I]": lambda: gdev.grouped_mm(xs, t_(gate_up), groups),
+        "fwd gate_up base + A rows [N,H]x[H,2I+2r]": lambda: gdev.grouped_mm(xs, t_(wide_gu), groups),
+        "fwd LoRA A gate/up [N,H]x[H,2r]": lambda: gdev.grouped_mm(xs, t_(a_gu), groups),
+        "fwd LoRA B gate/up [N,2r]x[2r,2I]": lambda: gdev.grouped_mm(pa, t_(b_gu), groups),
+        "fwd down base [N,I]x[I,H]": lambda: gdev.grouped_mm(h, t_(down), groups),
+        "fwd down base + A rows [N,I]x[I,H+r]": lambda: gdev.grouped_mm(h, t_(wide_d), groups),
+        "fwd LoRA A down [N,I]x[I,r]": lambda: gdev.grouped_mm(h, t_(ad), groups),
+        "fwd LoRA B down [N,r]x[r,H]": lambda: gdev.grouped_mm(pd, t_(bd), groups),
+        "bwd dh base [N,H]x[H,I]": lambda: gdev.grouped_mm(gdd, down, groups),
+        "bwd gd Bd [N,H]x[H,r]": lambda: gdev.grouped_mm(gdd, bd, groups),
+        "bwd grad Bd (K-grouped)": lambda: gdev.grouped_mm_k(gdd.t(), pd, groups),
+        "bwd grad Ad (K-grouped)": lambda: gdev.grouped_mm_k(ts.t(), h, groups),
+        "bwd ts Ad [N,r]x[r,I]": lambda: gdev.grouped_mm(ts, ad, groups),
+        "bwd grad B_gu (K-grouped)": lambda: gdev.grouped_mm_k(dgu.t(), pa, groups),
+        "bwd dpa [N,2I]x[2I,2r]": lambda: gdev.grouped_mm(dgu, b_gu, groups),
+        "bwd grad A_gu (K-grouped)": lambda: gdev.grouped_mm_k(dpa.t(), xs, groups),
+        "bwd dx base [N,2I]x[2I,H]": lambda: gdev.grouped_mm(dgu, gate_up, groups),
+        "bwd dpa A_gu [N,2r]x[2r,H]": lambda: gdev.grouped_mm(dpa, a_gu, groups),
+    }
+    print("\nkt-ft's grouped products one at a time (GPU ms a call):")
+    for name, fn in products.items():
+        print(f"  {kernels(fn)[0]:7.3f}  {name}")
     for name, rows in tables.items():
         print(f"\n{name}: forward + backward, kernels by GPU time (ms a call, launches)")
         for key, count, ms in rows[:30]:
