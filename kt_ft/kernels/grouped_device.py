@@ -406,7 +406,7 @@ def combine_all(d: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, acc: torc
     t, k = w.shape
     dg = _by_token(d, pairs, k)  # [T, k, H]
     if w.dtype == d.dtype:
-        return torch.bmm(w.view(t, 1, k), dg).view(t, -1).to(acc)
+        return torch.bmm(w.reshape(t, 1, k), dg).view(t, -1).to(acc)
     return (dg.to(acc) * w.to(acc)[..., None]).sum(1)
 
 

@@ -10,7 +10,7 @@ replayed. A bucket (``bucket_tokens``) is the token count rounded up to one of 4
 two (at most 25% more rows; 2,048 stays 2,048): a call of fewer tokens fills the rest with padding
 rows -- zero inputs, routing weight 0, zero incoming gradient, so they add exactly nothing to the
 output or any gradient, only GPU time. So micro-batches of varied lengths (SFT data without packing)
-replay a handful of graphs instead of running eagerly after the first two lengths.
+replay a handful of graphs.
 
 - forward without grad (the first pass of a reentrant-checkpointed layer, evaluation): copy the
   inputs into static buffers, replay, clone the output;
@@ -123,21 +123,22 @@ def pad_ids(tokens: int, k: int, experts: int, device) -> torch.Tensor:
     return t
 
 
+def zero_rows_to(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` [n, ...] with zero rows appended up to ``rows`` (``t`` itself when n == rows)."""
+    n = t.shape[0]
+    return t if n == rows else torch.cat([t, t.new_zeros(rows - n, *t.shape[1:])])
+
+
 def pad_rows(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, tokens: int, experts: int):
     """(x [tokens, H], local [tokens, k], weights [tokens, k]): the call's rows, then padding rows
     (zero inputs, ``pad_ids``, routing weight 0) up to ``tokens``; the inputs as they are when
     already that long. A padding row's pairs add w d = 0 to the output, and with a zero incoming
-    gradient nothing to any gradient."""
+    gradient (``zero_rows_to``) nothing to any gradient."""
     t = x.shape[0]
     if t == tokens:
         return x, local, weights
-    xp = x.new_zeros(tokens, *x.shape[1:])
-    xp[:t] = x
-    lp = pad_ids(tokens, local.shape[1], experts, local.device).clone()
-    lp[:t] = local
-    wp = weights.new_zeros(tokens, weights.shape[1])
-    wp[:t] = weights
-    return xp, lp, wp
+    lp = torch.cat([local, pad_ids(tokens, local.shape[1], experts, local.device)[t:]])
+    return zero_rows_to(x, tokens), lp, zero_rows_to(weights, tokens)
 
 
 def unpad_grads(grads: tuple, tokens: int) -> tuple:
@@ -426,8 +427,7 @@ class LayerGraphs:
         t, tb = pending.tokens, pending.key[1]
 
         def padded_grad():  # [tb, H] accum dtype: zero for the padding rows
-            go = grad_out.to(acc)
-            return go if t == tb else torch.cat([go, go.new_zeros(tb - t, *go.shape[1:])])
+            return zero_rows_to(grad_out.to(acc), tb)
 
         if not pending.in_workspace:  # evicted: its own copies, eagerly
             if pending.saved is None:
