@@ -296,6 +296,12 @@ class LayerGraphs:
         if key not in self.graphs:
             buckets = {kk[1] for kk in self.graphs if kk[0] != "backward"}
             if tb not in buckets and len(buckets) >= MAX_BUCKETS:
+                _log_once(
+                    "buckets",
+                    f"CUDA graphs: micro-batch lengths fall in more than {MAX_BUCKETS} token-count buckets "
+                    f"({x.shape[0]} tokens: bucket {tb}); those outside the captured ones run eagerly "
+                    "(packing: true gives every micro-batch cutoff_len tokens)",
+                )
                 return None
             self.seen[key] = self.seen.get(key, 0) + 1
             if self.seen[key] <= SEEN_BEFORE_CAPTURE or not self._capture_forward(
