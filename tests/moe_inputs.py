@@ -54,3 +54,19 @@ def make_problem(
     weights = torch.softmax(torch.randn(T, k, generator=gen, dtype=torch.float64), -1).to(dtype)
     grad_out = rnd(T, H)
     return base, lora, x, ids, weights, grad_out
+
+
+def routed_problem(T: int, E: int, k: int, H: int, I: int, r: int, variant: str, routed: int | None = None):
+    """A fresh float32 problem for the device-expert tests, seed drawn and printed: ``make_problem``'s
+    base and LoRA (``variant`` "gpt_oss": its layout with biases N(0, 0.5^2); else the plain one),
+    x [T, H], ids [T, k] of distinct experts among the first ``routed`` (default all E), routing
+    weights [T, k] in [0, 1) and an upstream gradient [T, H]. Returns (base, lora, x, ids, w, grad, seed)."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    spec, bias = (GPT_OSS_SPEC, 0.5) if variant == "gpt_oss" else (None, None)
+    base, lora, x, _, _, _ = make_problem(T, E, k, H, I, r, torch.float32, gen, spec=spec, bias_scale=bias)
+    ids = torch.stack([torch.randperm(E if routed is None else routed, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen)
+    grad = torch.randn(T, H, generator=gen)
+    return base, lora, x, ids, w, grad, seed

@@ -163,19 +163,12 @@ def test_padding_rows_change_no_result(variant):
     the CPU in float32, fresh random routing and weights (gpt_oss: biased, clamped experts, so a
     padding row's expert output is not zero). Bound: 1e-5 of each tensor's largest entry (only the
     order of float sums differs)."""
-    from moe_inputs import GPT_OSS_SPEC, make_problem
+    from moe_inputs import routed_problem
 
     from kt_ft.kernels.grouped_device import Groups, fused_backward, fused_forward, stack_lora
 
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    print(f"seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
-    T, E, k, H, I, r = 9, 6, 2, 32, 16, 4
-    spec, bias = (GPT_OSS_SPEC, 0.5) if variant == "gpt_oss" else (None, None)
-    base, lora, x, _, _, _ = make_problem(T, E, k, H, I, r, torch.float32, gen, spec=spec, bias_scale=bias)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    w = torch.rand(T, k, generator=gen)
-    grad = torch.randn(T, H, generator=gen)
+    T, E, k, H = 9, 6, 2, 32
+    base, lora, x, ids, w, grad, seed = routed_problem(T, E, k, H, 16, 4, variant)
 
     def call(x, ids, w, grad):
         flat = ids.reshape(-1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_inputs import GPT_OSS_SPEC, make_problem
+from moe_inputs import GPT_OSS_SPEC, make_problem, routed_problem
 
 from kt_ft.kernels import LoraTensors
 from kt_ft.kernels import grouped_device as gd
@@ -131,15 +131,9 @@ def test_fused_device_share_matches_its_autograd_twin(
     monkeypatch.setattr(grouped_device, "BACKWARD_SLICE_ROWS", slice_rows)
     from kt_ft.moe.resident import ResidentExperts
 
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    print(f"seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
     T, E, k, H, I, r = 11, 6, 2, 64, 32, 8
-    spec, bias = (GPT_OSS_SPEC, 0.5) if variant == "gpt_oss" else (None, None)
-    base, lora, x, _, _, _ = make_problem(T, E, k, H, I, r, torch.float32, gen, spec=spec, bias_scale=bias)
-    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(T)])  # expert E-1 unrouted
-    weights = torch.rand(T, k, generator=gen)
-    grad = torch.randn(T, H, generator=gen)
+    # expert E-1 unrouted
+    base, lora, x, ids, weights, grad, seed = routed_problem(T, E, k, H, I, r, variant, routed=E - 1)
 
     def to(t, dt=dtype):
         return None if t is None else t.to(device, dt)
