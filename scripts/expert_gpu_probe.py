@@ -98,6 +98,12 @@ def main() -> None:
         _, saved, meta = state["fwd"]
         fused_backward(grad, saved, meta, True, True)
 
+    grad_bf16 = grad.to(dt)
+
+    def kt_bwd_bf16():  # the same with the output's gradient in bf16: what its fp32 passes cost
+        _, saved, meta = state["fwd"]
+        fused_backward(grad_bf16, saved, meta, True, True)
+
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -129,6 +135,7 @@ def main() -> None:
 
     systems = {
         "kt-ft fused (expert LoRA)": (kt_fwd, both(kt_fwd, kt_bwd)),
+        "kt-ft fused, bf16 output gradient": (kt_fwd, both(kt_fwd, kt_bwd_bf16)),
         "transformers grouped_mm (HF+PEFT)": (hf_fwd_nograd, both(hf_fwd, hf_bwd)),
     }
     tables = {}
@@ -178,6 +185,9 @@ def main() -> None:
     )
     a_gu, b_gu, ad, bd = rnd(E, 2 * r, H), rnd(E, 2 * inter, 2 * r), rnd(E, r, inter), rnd(E, H, r)
     wide_gu, wide_d = rnd(E, 2 * inter + 2 * r, H), rnd(E, H + r, inter)
+    # one buffer a projection holding the base block, the LoRA A rows below it and the (scaled)
+    # LoRA B columns beside it: the forward reads [W; A] (rows), the backward [W | B] (columns)
+    buf_gu, buf_d = rnd(E, 2 * inter + 2 * r, H + 2 * r), rnd(E, H + r, inter + r)
     t_ = gdev._t
     products = {
         "fwd gate_up base [N,H]x[H,2I]": lambda: gdev.grouped_mm(xs, t_(gate_up), groups),
@@ -198,6 +208,10 @@ def main() -> None:
         "bwd grad A_gu (K-grouped)": lambda: gdev.grouped_mm_k(dpa.t(), xs, groups),
         "bwd dx base [N,2I]x[2I,H]": lambda: gdev.grouped_mm(dgu, gate_up, groups),
         "bwd dpa A_gu [N,2r]x[2r,H]": lambda: gdev.grouped_mm(dpa, a_gu, groups),
+        "buffer: fwd [W;A] gate_up view [N,H]x[H,2I+2r]": lambda: gdev.grouped_mm(xs, t_(buf_gu[:, :, :H]), groups),
+        "buffer: fwd [W;A] down view [N,I]x[I,H+r]": lambda: gdev.grouped_mm(h, t_(buf_d[:, :, :inter]), groups),
+        "buffer: bwd [W|B] down view [N,H]x[H,I+r]": lambda: gdev.grouped_mm(gdd, buf_d[:, :H], groups),
+        "buffer: bwd [W|B] gate_up view [N,2I]x[2I,H+2r]": lambda: gdev.grouped_mm(dgu, buf_gu[:, : 2 * inter], groups),
     }
     print("\nkt-ft's grouped products one at a time (GPU ms a call):")
     for name, fn in products.items():
