@@ -83,6 +83,19 @@ _ALL = (
         "numerics",
     ),
     Setting(
+        "KT_FT_WIDE_EXPERTS",
+        "1",
+        "0: GPU-resident experts are kept as plain copies instead of with their expert LoRA beside them, "
+        "where the LoRA's B products are folded into the base products (kt_ft/kernels/grouped_wide.py)",
+        "numerics",
+    ),
+    Setting(
+        "KT_FT_EXPANDABLE_SEGMENTS",
+        "1",
+        "0: a placement: auto run without kt_gpu_memory leaves PyTorch's CUDA allocator as configured instead "
+        "of turning on expandable segments (kt_ft/placement/runtime.py; under a cap they are always on)",
+    ),
+    Setting(
         "KT_FT_CUDA_GRAPHS",
         "1",
         "0: a layer whose experts are all resident on the GPU launches each kernel of its expert work "

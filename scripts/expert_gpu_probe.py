@@ -21,6 +21,7 @@ from kt_ft.bench.models import MODEL_CONFIGS
 from kt_ft.kernels import grouped_device as gdev
 from kt_ft.kernels.base import ExpertWeights
 from kt_ft.kernels.grouped_device import Groups, combine_all, fused_backward, fused_forward, stack_lora
+from kt_ft.kernels.grouped_wide import WideExperts
 
 PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
 TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
@@ -80,12 +81,16 @@ def main() -> None:
     cast = stack_lora(*lora, dt, base.spec)
     grad = torch.randn(T, H, device=dev, dtype=torch.float32)
 
-    def kt_forward():
+    # the same weights in the wide layout (kt_ft/kernels/grouped_wide.py: the LoRA beside them)
+    wide = WideExperts.from_weights(gate_up, down, RANK, base.spec, dev)
+    base_wide = ExpertWeights(wide.gate_up, wide.down, wide=wide)
+
+    def kt_forward(b=base, out_dtype=None):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(E, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
         out, saved, meta = fused_forward(
-            x, w, lora, base, 2.0, Groups(counts, flat.numel()), order, k, lambda *a: cast
+            x, w, lora, b, 2.0, Groups(counts, flat.numel()), order, k, lambda *a: cast, out_dtype
         )
         return out.to(dt), saved, meta
 
@@ -103,6 +108,9 @@ def main() -> None:
     def kt_bwd_bf16():  # the same with the output's gradient in bf16: what its fp32 passes cost
         _, saved, meta = state["fwd"]
         fused_backward(grad_bf16, saved, meta, True, True)
+
+    def kt_fwd_wide():  # what a run's all-resident layer does now: wide layout, output in bf16
+        state["fwd"] = kt_forward(base_wide, dt)
 
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -136,6 +144,7 @@ def main() -> None:
     systems = {
         "kt-ft fused (expert LoRA)": (kt_fwd, both(kt_fwd, kt_bwd)),
         "kt-ft fused, bf16 output gradient": (kt_fwd, both(kt_fwd, kt_bwd_bf16)),
+        "kt-ft fused, wide layout, bf16 output": (kt_fwd_wide, both(kt_fwd_wide, kt_bwd_bf16)),
         "transformers grouped_mm (HF+PEFT)": (hf_fwd_nograd, both(hf_fwd, hf_bwd)),
     }
     tables = {}
@@ -208,10 +217,16 @@ def main() -> None:
         "bwd grad A_gu (K-grouped)": lambda: gdev.grouped_mm_k(dpa.t(), xs, groups),
         "bwd dx base [N,2I]x[2I,H]": lambda: gdev.grouped_mm(dgu, gate_up, groups),
         "bwd dpa A_gu [N,2r]x[2r,H]": lambda: gdev.grouped_mm(dpa, a_gu, groups),
-        "buffer: fwd [W;A] gate_up view [N,H]x[H,2I+2r]": lambda: gdev.grouped_mm(xs, t_(buf_gu[:, :, :H]), groups),
-        "buffer: fwd [W;A] down view [N,I]x[I,H+r]": lambda: gdev.grouped_mm(h, t_(buf_d[:, :, :inter]), groups),
+        "buffer: fwd [W;A] gate_up view [N,H]x[H,2I+2r]": lambda: gdev.grouped_mm(
+            xs, t_(buf_gu[:, :, :H]), groups
+        ),
+        "buffer: fwd [W;A] down view [N,I]x[I,H+r]": lambda: gdev.grouped_mm(
+            h, t_(buf_d[:, :, :inter]), groups
+        ),
         "buffer: bwd [W|B] down view [N,H]x[H,I+r]": lambda: gdev.grouped_mm(gdd, buf_d[:, :H], groups),
-        "buffer: bwd [W|B] gate_up view [N,2I]x[2I,H+2r]": lambda: gdev.grouped_mm(dgu, buf_gu[:, : 2 * inter], groups),
+        "buffer: bwd [W|B] gate_up view [N,2I]x[2I,H+2r]": lambda: gdev.grouped_mm(
+            dgu, buf_gu[:, : 2 * inter], groups
+        ),
     }
     print("\nkt-ft's grouped products one at a time (GPU ms a call):")
     for name, fn in products.items():

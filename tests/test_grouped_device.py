@@ -116,15 +116,21 @@ def test_one_placement_holding_every_expert_needs_no_host_counts():
 @pytest.mark.parametrize("variant", ["plain", "gpt_oss"])
 @pytest.mark.parametrize("placement", ["every", "some"])
 @pytest.mark.parametrize("slice_rows", [4096, 3], ids=["one_slice", "slices_of_3_rows"])
+@pytest.mark.parametrize("layout", ["plain", "wide"])
 def test_fused_device_share_matches_its_autograd_twin(
-    device, dtype, variant, placement, slice_rows, monkeypatch
+    device, dtype, variant, placement, slice_rows, layout, monkeypatch
 ):
     """``FusedGroupedExperts`` (one autograd node a placement, hand-written backward) against
     ``DeviceExperts.compute_reference`` (the same formula op by op under autograd): the [T, H] share
     and the gradients of x, the routing weights and the six fp32 LoRA parameters, on fresh random
     routing with unrouted experts; the LoRA cast is reused while the parameters are unchanged and
     redone after an in-place update. Tolerances as above (bf16: products rounded at other points).
-    ``slice_rows``: the backward's fp32 work in slices of that many pairs (22 pairs here)."""
+    ``slice_rows``: the backward's fp32 work in slices of that many pairs (22 pairs here).
+    ``layout`` "wide": the resident weights kept with the LoRA beside them (``grouped_wide.py``;
+    the plain layout's family only). With every expert resident the share comes in x's dtype, as
+    a run's all-resident layers ask, so its gradient does too."""
+    if layout == "wide" and variant == "gpt_oss":
+        pytest.skip("gpt_oss's transposed layout is kept plain (grouped_wide.wide_fits)")
     from kt_ft.kernels import grouped_device
     from kt_ft.moe.device_experts import DeviceExperts
 
@@ -142,9 +148,11 @@ def test_fused_device_share_matches_its_autograd_twin(
         *(to(t) for t in (base.gate_up, base.down, base.gate_up_bias, base.down_bias)), spec=base.spec
     )
     resident = range(E) if placement == "every" else (0, 2, 3, 5)
-    dev = DeviceExperts(base, ResidentExperts(base, resident), None)
+    dev = DeviceExperts(base, ResidentExperts(base, resident, lora_rank=r if layout == "wide" else 0), None)
     dev.begin(torch.device(device))
-    x, grad = to(x), to(grad, torch.float32)
+    assert (dev.resident.weights.wide is not None) == (layout == "wide")
+    out_dtype = dtype if placement == "every" else None  # the share's dtype as a run asks it
+    x, grad = to(x), to(grad, out_dtype or torch.float32)
     local = dev.split(ids.to(device), weights.to(device))[0]
     order, parts = dev._route(local)
     rows = dev._ids_cpu
@@ -157,12 +165,15 @@ def test_fused_device_share_matches_its_autograd_twin(
         out.backward(grad)
         return [out.detach(), xx.grad, ww.grad, *(t.grad for t in lo)], lo
 
-    got, lo_got = run(lambda *a: dev._compute(*a, key=("test", 0)))
+    got, lo_got = run(lambda *a: dev._compute(*a, key=("test", 0), out_dtype=out_dtype))
+    assert got[0].dtype == (out_dtype or torch.float32)
     ref, _ = run(dev.compute_reference)
     for name, a, b in zip(["out", "x", "weights", *LoraTensors._fields], got, ref):
         scale = b.abs().max().float().clamp_min(1e-30)
         err = ((a.float() - b.float()).abs().max() / scale).item()
         assert err <= TOL[dtype], f"{name}: {err:.2e} of its largest entry > {TOL[dtype]:.0e} (seed {seed})"
+    if layout == "wide":
+        return  # the LoRA is written into the buffers at every forward: no cast to cache
 
     def key():  # what DeviceExperts.start computes from the parameters
         return tuple((id(p), p._version) for p in lo_got)
@@ -178,7 +189,8 @@ def test_fused_device_share_matches_its_autograd_twin(
     )
 
 
-def test_a_lora_update_between_calls_reaches_the_next_forward():
+@pytest.mark.parametrize("layout", ["plain", "wide"])
+def test_a_lora_update_between_calls_reaches_the_next_forward(layout):
     """The cast cache follows the parameters: after an in-place update (an optimizer step) the
     next ``start`` of a layer with some experts resident (LoRA rows taken afresh each call) computes
     with the new values, as the autograd twin does (fp32: 1e-5 of the largest entry)."""
@@ -188,12 +200,12 @@ def test_a_lora_update_between_calls_reaches_the_next_forward():
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
-    T, E, k, H, I, r = 9, 6, 2, 32, 16, 4
+    T, E, k, H, I, r = 9, 6, 2, 32, 16, 8
     base, lora, x, _, _, _ = make_problem(T, E, k, H, I, r, torch.float32, gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=gen)
     params = LoraTensors(*(t.clone().requires_grad_() for t in lora))
-    dev = DeviceExperts(base, ResidentExperts(base, (0, 2, 3)), None)
+    dev = DeviceExperts(base, ResidentExperts(base, (0, 2, 3), lora_rank=r if layout == "wide" else 0), None)
     cpu = torch.device("cpu")
     dev.begin(cpu)
     local = dev.split(ids, weights)[0]
@@ -207,3 +219,33 @@ def test_a_lora_update_between_calls_reaches_the_next_forward():
         with torch.no_grad():
             for p in params:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def test_wide_layout_holds_the_base_weights_and_the_lora_blocks():
+    """``WideExperts``: its base views equal the weights it was made from; ``load_lora`` puts A
+    below and s B beside them (B_gu in ``stack_lora``'s block layout), the rest of the extra
+    blocks zero; ``wide_fits`` takes the plain layout with H, I, r multiples of 8 only; the resident
+    bytes count the buffers."""
+    from kt_ft.kernels.grouped_wide import WideExperts, wide_extra_bytes, wide_fits
+    from kt_ft.moe.resident import ResidentExperts
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    E, H, I, r = 3, 32, 16, 8
+    base, lora, *_ = make_problem(4, E, 2, H, I, r, torch.float32, gen)
+    wide = WideExperts.from_weights(base.gate_up, base.down, r, base.spec, "cpu")
+    assert torch.equal(wide.gate_up, base.gate_up) and torch.equal(wide.down, base.down)
+    wide.load_lora(*lora, 2.0)
+    a_gu, b_gu, ad, bd = gd.stack_lora(*lora, torch.float32, base.spec)
+    assert torch.equal(wide.a_gu, a_gu) and torch.equal(wide.b_gu, b_gu * 2.0)
+    assert torch.equal(wide.a_d, ad) and torch.equal(wide.b_d, bd * 2.0)
+    assert not wide.gu_buf[:, 2 * I :, H:].any() and not wide.d_buf[:, H:, I:].any()
+    assert wide_fits(base.spec, H, I, r, quantized=False)
+    assert not wide_fits(base.spec, H, I, 4, quantized=False)  # H + r rows not 16-byte aligned
+    assert not wide_fits(base.spec, H, I, r, quantized=True)
+    assert not wide_fits(GPT_OSS_SPEC, H, I, r, quantized=False)
+    res = ResidentExperts(base, range(E), lora_rank=r)
+    res.to_device(torch.device("cpu"))
+    plain = 3 * H * I * 4 * E
+    assert res.nbytes() == plain + E * wide_extra_bytes(H, I, r, 4) == res.weights.wide.nbytes()

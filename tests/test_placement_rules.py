@@ -14,11 +14,15 @@ from tiny_models import tiny_model
 
 from kt_ft.cli import main
 from kt_ft.errors import KTConfigError
+from kt_ft.kernels.grouped_wide import wide_extra_bytes
 from kt_ft.placement import measure
 from kt_ft.placement.cost import LayerShape, Rates
 from kt_ft.rules import load_rules
 
 EXPERT_BYTES = 3 * 64 * 32 * 4
+# one resident expert: its weights and, kept in the wide layout (kernels/grouped_wide.py), the
+# rank-8 expert LoRA's blocks beside them
+RESIDENT_BYTES = EXPERT_BYTES + wide_extra_bytes(64, 32, 8, 4)
 AUTO_RULE = "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch, placement: auto}\n"
 
 
@@ -70,13 +74,14 @@ def test_auto_big_cap_all_resident(model_dir, tmp_path, capsys):
         {"layers": "0-1", "placement": "auto", "resident": 8, "streamed": 0, "cpu": 0,
          "cpu_s": 0.0, "link_s": 0.0, "gpu_s": p["groups"][0]["gpu_s"], "step_s": p["groups"][0]["gpu_s"]}
     ]  # fmt: skip
-    assert p["predicted"]["bottleneck"] == "gpu" and p["predicted"]["resident_bytes"] == 16 * EXPERT_BYTES
+    assert p["predicted"]["bottleneck"] == "gpu" and p["predicted"]["resident_bytes"] == 16 * RESIDENT_BYTES
     # the budget is the cap minus the estimate of the rest of the GPU (the all-CPU plan's total)
     rc, plain = plan_json(capsys, "qwen3_moe", model_dir, "--cutoff-len", "64")
     assert p["budget_bytes"] == 2 * 2**30 - plain["devices"]["cuda:0"]["total_bytes"]
     # and the resident copies are counted on the GPU by the report
     assert (
-        r["devices"]["cuda:0"]["param_bytes"] == plain["devices"]["cuda:0"]["param_bytes"] + 16 * EXPERT_BYTES
+        r["devices"]["cuda:0"]["param_bytes"]
+        == plain["devices"]["cuda:0"]["param_bytes"] + 16 * RESIDENT_BYTES
     )
     assert (
         r["groups"][0]["how"]
@@ -98,7 +103,7 @@ def test_auto_planned_from_a_cpu_only_machine_counts_the_expert_lora_on_the_gpu(
     act = LayerShape(8, 64, 32, 2, elt, elt).gpu_act_bytes(64 * 2)  # the reserve: a whole layer's pairs
     params = 3 * 8 * 8 * (64 + 32)  # a layer's expert LoRA (rank 8)
     # + the fp32 copies of both layers' LoRA that a LoRA left on the CPU puts on the GPU
-    cap = plain["devices"]["cuda:0"]["total_bytes"] + 16 * EXPERT_BYTES + act + 2 * 4 * params + 1024
+    cap = plain["devices"]["cuda:0"]["total_bytes"] + 16 * RESIDENT_BYTES + act + 2 * 4 * params + 1024
     rc, r = plan_json(
         capsys, rule, model_dir, "--rates", "cpu_token_us=90,link_gbps=55,gpu_tflops=400",
         "--gpu-mem", f"{cap / 2**30:.12f}", "--cutoff-len", "64",
@@ -112,7 +117,7 @@ def test_auto_planned_from_a_cpu_only_machine_counts_the_expert_lora_on_the_gpu(
     assert rc == 0 and r["devices"]["cuda:0"]["total_bytes"] <= cap, r["devices"]["cuda:0"]
     assert r["devices"]["cuda:0"]["lora_params"] == plain["devices"]["cuda:0"]["lora_params"]
     assert r["devices"]["cuda:0"]["param_bytes"] == plain["devices"]["cuda:0"]["param_bytes"] + (
-        16 * EXPERT_BYTES + 2 * 4 * params
+        16 * RESIDENT_BYTES + 2 * 4 * params
     )
 
 

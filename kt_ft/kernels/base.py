@@ -146,6 +146,9 @@ class ExpertWeights:
     gate_up_bias: torch.Tensor | None = None  # [E, 2I], columns as gate_up's 2I axis
     down_bias: torch.Tensor | None = None  # [E, H]
     spec: ExpertSpec = DEFAULT_SPEC
+    # resident experts kept with their expert LoRA beside them (``kernels/grouped_wide.py``): gate_up
+    # and down are then views of its buffers
+    wide: object | None = None
 
     @property
     def num_experts(self) -> int:

@@ -227,9 +227,11 @@ class FusedGroupedExperts(torch.autograd.Function):
     caller across the passes of a step while the parameters are unchanged)."""
 
     @staticmethod
-    def forward(ctx, x, w, ga, gb, ua, ub, da, db, base, scaling, groups, pairs, k, lora_cast):
+    def forward(
+        ctx, x, w, ga, gb, ua, ub, da, db, base, scaling, groups, pairs, k, lora_cast, out_dtype=None
+    ):
         out, saved, ctx.meta = fused_forward(
-            x, w, (ga, gb, ua, ub, da, db), base, scaling, groups, pairs, k, lora_cast
+            x, w, (ga, gb, ua, ub, da, db), base, scaling, groups, pairs, k, lora_cast, out_dtype
         )
         ctx.save_for_backward(*saved)
         return out
@@ -239,7 +241,7 @@ class FusedGroupedExperts(torch.autograd.Function):
         grads = fused_backward(
             grad_out, ctx.saved_tensors, ctx.meta, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         )
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 class FusedMeta(NamedTuple):
@@ -255,18 +257,29 @@ class FusedMeta(NamedTuple):
     w_dtype: torch.dtype
     lora_dtypes: tuple
     quant_base: tuple | None  # quantized weights: the structure to rebuild them from the saved leaves
+    wide: object | None = None  # the wide layout's buffers (``grouped_wide.WideExperts``) the forward read
+    n_saved: int = 13  # saved tensors before the weights
 
 
-def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast):
+def weight_tensors(base: ExpertWeights) -> tuple[torch.Tensor, ...]:
+    """The dense weight tensors a backward of ``base`` reads (saved beside the activations)."""
+    return base.wide.tensors() if base.wide is not None else (base.gate_up, base.down)
+
+
+def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast, out_dtype=None):
     """``FusedGroupedExperts``'s forward as a plain function (no autograd; also what a CUDA graph of
-    the layer captures, ``moe/graphed.py``): -> (out [T, H] accum dtype, the saved tensors, meta).
-    Arguments as ``FusedGroupedExperts.apply``'s, ``lora`` the six LoRA tensors."""
+    the layer captures, ``moe/graphed.py``): -> (out [T, H], the saved tensors, meta). Arguments as
+    ``FusedGroupedExperts.apply``'s, ``lora`` the six LoRA tensors. ``out_dtype``: the output's dtype
+    when every pair of the call is here (the weights' dtype saves the backward its fp32 passes:
+    the output's gradient then comes in that dtype); else, and by default, the accum dtype."""
     ga, gb, ua, ub, da, db = lora
     dt = base.gate_up.dtype
     acc = accum_dtype(dt)
     spec = base.spec
     inter = base.intermediate
     tok = torch.div(pairs, k, rounding_mode="floor")
+    if base.wide is not None:
+        return _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype)
     # [G, 2r, H] ([Ag; Au]), [G, 2I, 2r] (Bg, Bu in the gate / up rows, zeros elsewhere), Ad, Bd; dt
     a_gu, b_gu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)
     xs = x.to(dt).index_select(0, tok)  # [N, H]
@@ -287,13 +300,7 @@ def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast):
     d += scaling * grouped_mm(pd, _t(bd), groups)
     if base.down_bias is not None:
         d += base.down_bias.index_select(0, groups.row_expert)
-    ws = w.reshape(-1).index_select(0, pairs).to(acc)  # [N]
-    if pairs.numel() == w.numel():  # every (token, slot) pair of the call is here: gather, no atomics
-        out = combine_all(d, w, pairs, acc)
-    else:
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=acc, device=x.device)
-        for lo_, hi in _row_slices(d.shape[0]):  # the weighted accum-dtype rows one slice at a time
-            out.index_add_(0, tok[lo_:hi], d[lo_:hi] * ws[lo_:hi, None])  # promoted to ws's accum dtype
+    ws, out = _combine(d, w, pairs, tok, x.shape, acc, out_dtype)
     # quantized weights: their stored tensors are saved (streamed ones are views of a stream
     # buffer, which the saved-tensor hooks of ``moe/streamed.py`` fetch back at backward), and
     # the structure to rebuild them on ctx
@@ -319,9 +326,130 @@ def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast):
     return out, saved, meta
 
 
+def _combine(d, w, pairs, tok, x_shape, acc, out_dtype):
+    """-> (ws [N] accum dtype: each row's routing weight, out [T, H]: the rows weighted and summed
+    per token). Every (token, slot) pair of the call here: a gather, no atomics (``combine_all``)."""
+    ws = w.reshape(-1).index_select(0, pairs).to(acc)  # [N]
+    if pairs.numel() == w.numel():
+        return ws, combine_all(d, w, pairs, acc, out_dtype)
+    out = torch.zeros(x_shape[0], x_shape[1], dtype=acc, device=d.device)
+    for lo_, hi in _row_slices(d.shape[0]):  # the weighted accum-dtype rows one slice at a time
+        out.index_add_(0, tok[lo_:hi], d[lo_:hi] * ws[lo_:hi, None])  # promoted to ws's accum dtype
+    return ws, out
+
+
+def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype):
+    """``fused_forward`` on weights in the wide layout (``grouped_wide.py``): the LoRA B products
+    folded into the base ones. Saved: (xw [N, H + 2r] = [xs | pa], gu [N, 2I], hw [N, I + r] =
+    [h | pd], d [N, H], ws, tok, pairs) and the two buffers."""
+    wide = base.wide
+    spec, inter, hid, r = base.spec, wide.inter, wide.hidden, wide.rank
+    dt = wide.gu_buf.dtype
+    acc = accum_dtype(dt)
+    wide.load_lora(*lora, scaling)
+    n = pairs.numel()
+    # x with 2r zero columns, gathered per pair: the pa columns are then filled in place
+    xw = torch.cat([x.to(dt), x.new_zeros(x.shape[0], 2 * r, dtype=dt)], 1).index_select(0, tok)
+    xw[:, hid:] = grouped_mm(xw[:, :hid], _t(wide.a_gu), groups)  # pa = xs A_gu^T [N, 2r]
+    gu = grouped_mm(xw, _t(wide.gu_rows), groups)  # [N, 2I] = xs W^T + s pa B^T
+    if base.gate_up_bias is not None:
+        gu += base.gate_up_bias.index_select(0, groups.row_expert)
+    gs, us = spec.gate_up_cols(inter)
+    hw = torch.empty(n, inter + r, dtype=dt, device=x.device)
+    hw[:, :inter] = gated_act(gu[:, gs], gu[:, us], spec)
+    hw[:, inter:] = grouped_mm(hw[:, :inter], _t(wide.a_d), groups)  # pd = h A_d^T [N, r]
+    d = grouped_mm(hw, _t(wide.d_rows), groups)  # [N, H] = h W_d^T + s pd B_d^T
+    if base.down_bias is not None:
+        d += base.down_bias.index_select(0, groups.row_expert)
+    ws, out = _combine(d, w, pairs, tok, x.shape, acc, out_dtype)
+    saved = (xw, gu, hw, d, ws, tok, pairs, *wide.tensors())
+    meta = FusedMeta(
+        spec, inter, scaling, groups, x.shape, x.dtype, w.shape, w.dtype,
+        tuple(t.dtype for t in lora), None, wide, 7,
+    )  # fmt: skip
+    return out, saved, meta
+
+
+def _output_grads(grad_out, d, ws, tok, pairs, w_shape, w_dtype, needs_w, gd):
+    """The gradient of the rows d [N, H] (written into ``gd``, [N, H] d's dtype, any row stride)
+    and of the routing weights ([T, k] ``w_dtype``, or None) from the output's gradient [T, H].
+
+    Every pair of the call here with grad_out in d's dtype: whole, in that dtype (a token's
+    routing-weight gradients are one batched product of its k rows with its gradient). Else a
+    slice of rows at a time: the gathered accum-dtype rows of grad_out exist for one slice only
+    (whole, they were 3 x [N, H] fp32 at once: ~0.4 GiB a Qwen3-30B-A3B layer at 2,048 tokens,
+    which the GPU memory cap's plan does not hold)."""
+    if pairs.numel() == w_shape.numel() and grad_out.dtype == d.dtype:
+        torch.mul(grad_out.index_select(0, tok), ws[:, None], out=gd)
+        if not needs_w:
+            return None
+        k = w_shape[-1]
+        gw = torch.bmm(_by_token(d, pairs, k), grad_out.unsqueeze(-1))  # [T, k, 1]
+        return gw.view(w_shape).to(w_dtype)
+    grad_ws = torch.empty(d.shape[0], dtype=grad_out.dtype, device=d.device) if needs_w else None
+    for lo_, hi in _row_slices(d.shape[0]):
+        gos = grad_out.index_select(0, tok[lo_:hi])  # [n, H] grad_out's dtype
+        if grad_ws is not None:
+            grad_ws[lo_:hi] = (gos * d[lo_:hi]).sum(1)  # promoted to gos's accum dtype
+        gd[lo_:hi] = gos.mul_(ws[lo_:hi, None])
+        del gos
+    if grad_ws is None:
+        return None
+    grad_w = torch.zeros(w_shape.numel(), dtype=grad_ws.dtype, device=grad_ws.device)
+    return grad_w.index_copy_(0, pairs, grad_ws).view(w_shape).to(w_dtype)
+
+
+def _input_grad(dxs, grad_out, tok, pairs, x_shape, x_dtype, w_shape):
+    """grad_x [T, H] ``x_dtype`` from the rows' input gradients dxs [N, H]: a token's k rows summed
+    (every pair of the call here: a gather, no atomics), else scattered a slice at a time."""
+    if pairs.numel() == w_shape.numel():
+        return _by_token(dxs, pairs, w_shape[-1]).sum(1, dtype=grad_out.dtype).to(x_dtype)
+    grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)
+    for lo_, hi in _row_slices(dxs.shape[0]):  # the accum-dtype copy one slice at a time
+        grad_x.index_add_(0, tok[lo_:hi], dxs[lo_:hi].to(grad_out.dtype))
+    return grad_x.to(x_dtype)
+
+
+def _wide_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: bool):
+    """``fused_backward`` of ``_wide_forward``: the LoRA A products of the backward folded into the
+    base ones through the buffers' left columns ([W; A])."""
+    xw, gu, hw, d, ws, tok, pairs = saved[:7]
+    wide, spec, inter, s = meta.wide, meta.spec, meta.inter, meta.scaling
+    groups, hid, r = meta.groups, wide.hidden, wide.rank
+    n = d.shape[0]
+    gdw = torch.empty(n, hid + r, dtype=d.dtype, device=d.device)  # [gd | ts]
+    grad_w = _output_grads(grad_out, d, ws, tok, pairs, meta.w_shape, meta.w_dtype, needs_w, gdw[:, :hid])
+    gd = gdw[:, :hid]
+    ts = grouped_mm(gd, wide.b_d, groups)  # [N, r] = s gd B_d
+    gdw[:, hid:] = ts
+    grad_db = grouped_mm_k(gd.t(), hw[:, inter:], groups).mul_(s)  # [G, H, r]
+    grad_da = grouped_mm_k(ts.t(), hw[:, :inter], groups)  # [G, r, I]
+    dh = grouped_mm(gdw, wide.d_cols, groups)  # [N, I] = gd W_d + ts A_d
+    del gdw, gd, ts
+    gs, us = spec.gate_up_cols(inter)
+    dg, du = gated_act_backward(dh, gu[:, gs], gu[:, us], spec)
+    del dh
+    dgw = torch.empty(n, 2 * inter + 2 * r, dtype=d.dtype, device=d.device)  # [dgu | dpa]
+    dgu = dgw[:, : 2 * inter]
+    dgu[:, gs], dgu[:, us] = dg, du
+    del dg, du
+    grad_bgu = grouped_mm_k(dgu.t(), xw[:, hid:], groups).mul_(s)  # [G, 2I, 2r]
+    dpa = grouped_mm(dgu, wide.b_gu, groups)  # [N, 2r] = s dgu B_gu
+    dgw[:, 2 * inter :] = dpa
+    grad_agu = grouped_mm_k(dpa.t(), xw[:, :hid], groups)  # [G, 2r, H]
+    grad_x = None
+    if needs_x:
+        dxs = grouped_mm(dgw, wide.gu_cols, groups)  # [N, H] = dgu W_gu + dpa A_gu
+        grad_x = _input_grad(dxs, grad_out, tok, pairs, meta.x_shape, meta.x_dtype, meta.w_shape)
+    lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)
+    return (grad_x, grad_w, *(g_.to(dtype) for g_, dtype in zip(lo, meta.lora_dtypes)))
+
+
 def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: bool):
     """``FusedGroupedExperts``'s backward as a plain function: grad_out [T, H] (accum dtype), the
     tensors and meta ``fused_forward`` gave -> (grad_x or None, grad_w or None, six LoRA grads)."""
+    if meta.wide is not None:
+        return _wide_backward(grad_out, saved, meta, needs_x, needs_w)
     xs, gu, pa, h, pd, d, ws, tok, pairs, a_gu, b_gu, ad, bd, *w_saved = saved
     if meta.quant_base is not None:
         (gu_struct, n_gu), (d_struct, _) = meta.quant_base
@@ -331,25 +459,11 @@ def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
         w_gu, w_d = w_saved
     # the spec and sizes only: the weights the backward reads come through saved_tensors
     # (where streamed ones are re-fetched: ``moe/streamed.py``'s saved-tensor hooks)
-    spec, inter, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes, _ = meta
+    spec, inter, s, groups, x_shape, x_dtype, w_shape, w_dtype, lora_dtypes = meta[:9]
     r = ad.shape[1]
-    # dL/dd [N, H] and the routing weights' gradient, a slice of rows at a time: the gathered
-    # fp32 rows of grad_out and d's fp32 copy exist for one slice only (whole, they were 3 x
-    # [N, H] fp32 at once: ~0.4 GiB a Qwen3-30B-A3B layer at 2,048 tokens, which the GPU
-    # memory cap's plan does not hold)
+    # dL/dd [N, H] and the routing weights' gradient
     gd = torch.empty_like(d)
-    grad_ws = torch.empty(d.shape[0], dtype=grad_out.dtype, device=d.device) if needs_w else None
-    for lo_, hi in _row_slices(d.shape[0]):
-        gos = grad_out.index_select(0, tok[lo_:hi])  # [n, H] accum dtype
-        if grad_ws is not None:
-            grad_ws[lo_:hi] = (gos * d[lo_:hi]).sum(1)  # promoted to gos's accum dtype
-        gd[lo_:hi] = gos.mul_(ws[lo_:hi, None])
-        del gos
-    grad_w = None
-    if grad_ws is not None:
-        grad_w = torch.zeros(w_shape.numel(), dtype=grad_ws.dtype, device=grad_ws.device)
-        grad_w = grad_w.index_copy_(0, pairs, grad_ws).view(w_shape).to(w_dtype)
-        del grad_ws
+    grad_w = _output_grads(grad_out, d, ws, tok, pairs, w_shape, w_dtype, needs_w, gd)
     # down: d = h Wd^T + s (h Ad^T) Bd^T
     # dh = gd @ Wd [G, H, I]
     dh = base_mm(gd, w_d, groups, spec.transposed)
@@ -376,13 +490,7 @@ def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
         wgu_x = base_mm(dgu, w_gu, groups, spec.transposed)
         del dgu
         dxs = wgu_x.add_(grouped_mm(dpa, a_gu, groups))
-        if pairs.numel() == w_shape.numel():  # every pair of the call: a token's k rows summed, no atomics
-            grad_x = _by_token(dxs, pairs, w_shape[-1]).sum(1, dtype=grad_out.dtype)
-        else:
-            grad_x = torch.zeros(x_shape, dtype=grad_out.dtype, device=grad_out.device)
-            for lo_, hi in _row_slices(dxs.shape[0]):  # the accum-dtype copy one slice at a time
-                grad_x.index_add_(0, tok[lo_:hi], dxs[lo_:hi].to(grad_out.dtype))
-        grad_x = grad_x.to(x_dtype)
+        grad_x = _input_grad(dxs, grad_out, tok, pairs, x_shape, x_dtype, w_shape)
     lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)
     lora_grads = [g_.to(dtype) for g_, dtype in zip(lo, lora_dtypes)]
     return (grad_x, grad_w, *lora_grads)
@@ -396,18 +504,26 @@ def _by_token(rows: torch.Tensor, pairs: torch.Tensor, k: int) -> torch.Tensor:
     return rows.index_select(0, inv).view(n // k, k, rows.shape[1])
 
 
-def combine_all(d: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """d [T k, H] (every pair of the call, sorted by expert), w [T, k] -> out [T, H] ``acc``,
-    out[t] = sum_j w[t, j] d[pair (t, j)]: a gather of d into pair order and one batched product
-    (fp32 accumulation inside it), where a scatter with float atomics into a zeroed [T, H] fp32
-    output took a [T k, H] fp32 temporary and T k H atomic adds. With w in d's dtype the product
-    is d's dtype, rounded once (the MoE block rounds the share to that dtype anyway); else the
-    weighted rows are summed in ``acc``."""
+def combine_all(
+    d: torch.Tensor,
+    w: torch.Tensor,
+    pairs: torch.Tensor,
+    acc: torch.dtype,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """d [T k, H] (every pair of the call, sorted by expert), w [T, k] -> out [T, H] ``out_dtype``
+    (default ``acc``), out[t] = sum_j w[t, j] d[pair (t, j)]: a gather of d into pair order and one
+    batched product (fp32 accumulation inside it), where a scatter with float atomics into a zeroed
+    [T, H] fp32 output took a [T k, H] fp32 temporary and T k H atomic adds. With w in d's dtype
+    the product is d's dtype, rounded once (the MoE block rounds the share to that dtype anyway);
+    else the weighted rows are summed in ``acc``."""
     t, k = w.shape
     dg = _by_token(d, pairs, k)  # [T, k, H]
     if w.dtype == d.dtype:
-        return torch.bmm(w.reshape(t, 1, k), dg).view(t, -1).to(acc)
-    return (dg.to(acc) * w.to(acc)[..., None]).sum(1)
+        out = torch.bmm(w.reshape(t, 1, k), dg).view(t, -1)
+    else:
+        out = (dg.to(acc) * w.to(acc)[..., None]).sum(1)
+    return out.to(out_dtype or acc)
 
 
 BACKWARD_SLICE_ROWS = 4096  # rows of (token, expert) pairs a slice of the backward's fp32 work

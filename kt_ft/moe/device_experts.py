@@ -180,8 +180,9 @@ class DeviceExperts:
         if not self.cpu_follows and self.streamed is None:
             # every expert of the layer resident: no CPU op to order the work around, so the share
             # goes on the model's graph as it is (a graph of its own and the nested backward that
-            # differentiates it cost ~1.4 ms of host time a layer and pass in a profiled run)
-            out = self._compute(x, weights, LoraTensors(*lo), scaling, order, parts, k, key)
+            # differentiates it cost ~1.4 ms of host time a layer and pass in a profiled run); the share
+            # in x's dtype, which the block rounds it to anyway: its gradient then comes in that dtype
+            out = self._compute(x, weights, LoraTensors(*lo), scaling, order, parts, k, key, x.dtype)
             self._done()
             return lambda: out
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)):
@@ -243,9 +244,19 @@ class DeviceExperts:
         return order, parts
 
     def _compute(
-        self, x, weights, lo: LoraTensors, scaling: float, order, parts: list[_Part], k: int, key: tuple
+        self,
+        x,
+        weights,
+        lo: LoraTensors,
+        scaling: float,
+        order,
+        parts: list[_Part],
+        k: int,
+        key: tuple,
+        out_dtype: torch.dtype | None = None,
     ):
-        """The formula of the module doc for every device expert with pairs -> [T, H] accum dtype:
+        """The formula of the module doc for every device expert with pairs -> [T, H] accum dtype
+        (``out_dtype`` where given and one placement has pairs):
         one grouped product per projection for the resident experts and one for the streamed ones,
         each placement's share one autograd node (``kernels/grouped_device.py``
         ``FusedGroupedExperts``; ``compute_reference`` is its twin under plain autograd). ``key``
@@ -256,7 +267,16 @@ class DeviceExperts:
             pairs = order[part.offset : part.offset + part.rows]
             rows = LoraTensors(*(t[part.j0 : part.j1] for t in lo))
             share = FusedGroupedExperts.apply(
-                x, weights, *rows, src, scaling, part.groups, pairs, k, self._lora_cast(part.j0, key)
+                x,
+                weights,
+                *rows,
+                src,
+                scaling,
+                part.groups,
+                pairs,
+                k,
+                self._lora_cast(part.j0, key),
+                out_dtype if len(parts) == 1 else None,
             )
             out = share if out is None else out + share
         return out

@@ -155,7 +155,8 @@ class KTExperts(nn.Module):
             # the old resident weights go before the new ones are copied: under kt_gpu_memory the
             # allocator has no room for two copies of a layer (``placement/runtime.py``)
             self.device_experts = self.resident = old_res = None
-            self.resident = ResidentExperts(base, res_ids) if res_ids else None
+            rank = self.lora_tensors().gate_a.shape[1]
+            self.resident = ResidentExperts(base, res_ids, lora_rank=rank) if res_ids else None
         if (old_st.ids if old_st is not None else ()) != st_ids:
             if old_st is not None:
                 self.scheduler.unregister(old_st)

@@ -40,8 +40,15 @@ import weakref
 
 import torch
 
-from ..kernels.base import accum_dtype
-from ..kernels.grouped_device import FusedMeta, Groups, _refused, fused_backward, fused_forward, stack_lora
+from ..kernels.grouped_device import (
+    FusedMeta,
+    Groups,
+    _refused,
+    fused_backward,
+    fused_forward,
+    stack_lora,
+    weight_tensors,
+)
 from ..log import get_logger
 from ..settings import enabled
 
@@ -55,7 +62,6 @@ MAX_BUCKETS = 6  # token-count buckets a layer captures graphs for; calls in oth
 # without graphs; data of one length loses 2 micro-batches' worth of replays
 SEEN_BEFORE_CAPTURE = 3
 MIN_BUCKET = 64  # the smallest bucket: shorter calls (generation's one token) pad to it
-_N_SAVED = 13  # fused_forward's saved tensors kept in the workspace (the base weights are static)
 _GRAD_NAMES = ("grad_x", "grad_w", *(f"grad_lora{i}" for i in range(6)))  # fused_backward's, in order
 _forbidden: str | None = None  # why graphs are off for this process (a GPU memory cap)
 _logged: set[str] = set()
@@ -166,6 +172,7 @@ class Workspace:
         self.bufs: dict[str, torch.Tensor] = {}
         self.owner: weakref.ref | None = None  # the _Pending whose saved tensors fill the buffers
         self.keep_saved = True  # False after an eviction: forwards with grad run eagerly
+        self.n_saved = 0  # fused_forward's saved tensors kept here (the base weights are static)
 
     def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The static buffer ``name`` with ``like``'s shape and dtype (made at the first ask)."""
@@ -179,7 +186,7 @@ class Workspace:
         return b
 
     def saved(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.bufs[f"saved{i}"] for i in range(_N_SAVED))
+        return tuple(self.bufs[f"saved{i}"] for i in range(self.n_saved))
 
     def claim(self, pending: _Pending) -> None:
         """A graph that writes the saved buffers is about to replay for ``pending``: a previous
@@ -331,6 +338,7 @@ class LayerGraphs:
             tuple(base.down.shape),
             base.gate_up.dtype,
             tuple((tuple(t.shape), t.dtype) for t in lora),
+            base.wide is not None,  # the layouts save different tensors
         )
         ws = _workspaces.get(sig)
         if ws is None:
@@ -351,9 +359,9 @@ class LayerGraphs:
             return stack_lora(*t, dev.dtype, dev.spec)
 
         out, saved, meta = fused_forward(
-            x, weights, lora, dev.resident.weights, self.scaling, groups, order, k, cast
+            x, weights, lora, dev.resident.weights, self.scaling, groups, order, k, cast, x.dtype
         )
-        return out.to(x.dtype), counts, saved[:_N_SAVED], meta
+        return out.to(x.dtype), counts, saved[: meta.n_saved], meta
 
     def _room(self, x, nbytes: int) -> bool:
         """Room for a graph's buffers and scratch (about twice the forward's tensors) and 1 GiB more."""
@@ -380,6 +388,7 @@ class LayerGraphs:
             sx, sl, sw = ws.buffer("x", x), ws.buffer("local", local), ws.buffer("weights", weights)
             so = ws.buffer("out", out)
             s_saved = [ws.buffer(f"saved{i}", t) for i, t in enumerate(saved)] if grad else []
+            ws.n_saved = max(ws.n_saved, len(s_saved))
             s_counts = ws.buffer("counts", counts) if grad else None
             del out, counts, saved
             sx.copy_(x), sl.copy_(local), sw.copy_(weights)
@@ -428,12 +437,11 @@ class LayerGraphs:
     def backward(self, pending: _Pending, grad_out, needs_x: bool, needs_w: bool):
         """-> (grad_x, grad_weights, six LoRA grads) of ``pending``'s forward."""
         ws, meta = pending.ws, pending.meta
-        acc = accum_dtype(self.dev.dtype)
         base = self.dev.resident.weights
         t, tb = pending.tokens, pending.key[1]
 
-        def padded_grad():  # [tb, H] accum dtype: zero for the padding rows
-            return zero_rows_to(grad_out.to(acc), tb)
+        def padded_grad():  # [tb, H] in the output's dtype (the weights'): zero for the padding rows
+            return zero_rows_to(grad_out, tb)
 
         if not pending.in_workspace:  # evicted: its own copies, eagerly
             if pending.saved is None:
@@ -442,7 +450,7 @@ class LayerGraphs:
                     "(retain_graph) is not supported: set KT_FT_CUDA_GRAPHS=0"
                 )
             m = meta._replace(groups=Groups(pending.counts, pending.saved[0].shape[0]))
-            saved = (*pending.saved, base.gate_up, base.down)
+            saved = (*pending.saved, *weight_tensors(base))
             pending.saved = None
             return unpad_grads(fused_backward(padded_grad(), saved, m, needs_x, needs_w), t)
         bkey = ("backward", pending.key, needs_x, needs_w)
@@ -475,12 +483,11 @@ class LayerGraphs:
     def _backward_body(self, ws: Workspace, meta: FusedMeta, go, needs_x, needs_w):
         base = self.dev.resident.weights
         m = meta._replace(groups=Groups(ws.bufs["counts"], ws.bufs["saved0"].shape[0]))
-        return fused_backward(go, (*ws.saved(), base.gate_up, base.down), m, needs_x, needs_w)
+        return fused_backward(go, (*ws.saved(), *weight_tensors(base)), m, needs_x, needs_w)
 
     def _capture_backward(self, bkey, ws: Workspace, meta: FusedMeta, grad_out, needs_x, needs_w) -> bool:
         """Capture the backward ``bkey`` from one incoming gradient, padded to the bucket ([tb, H])."""
-        acc = accum_dtype(self.dev.dtype)
-        go = ws.buffer("grad_out", grad_out.to(acc))
+        go = ws.buffer("grad_out", grad_out)
         try:
             go.copy_(grad_out)
             dev = go.device

@@ -84,7 +84,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..kernels.grouped_device import BACKWARD_SLICE_ROWS
-from ..settings import positive_number
+from ..kernels.grouped_wide import ALIGN, wide_extra_bytes
+from ..settings import enabled, positive_number
 
 PASSES = 2  # times a streamed layer's weights cross the link per step (forward + recompute)
 STREAM_BUFFERS = 2  # layers of stream buffers on the GPU (one computing, one filling)
@@ -126,6 +127,21 @@ class LayerShape:
         if self.stored_bytes is not None:
             return self.stored_bytes
         return 3 * self.hidden * self.inter * self.weight_bytes
+
+    def resident_bytes(self, rank: int) -> int:
+        """GPU bytes of one resident expert: its base weights, and the blocks of its expert LoRA
+        (rank ``rank``) where dense weights are kept in the wide layout (``kernels/grouped_wide.py``;
+        counted for every dense layout whose sizes allow it: the transposed one, kept plain, is
+        over-counted by ~1%)."""
+        h, i = self.hidden, self.inter
+        if (
+            self.stored_bytes is None
+            and enabled("KT_FT_WIDE_EXPERTS")
+            and rank > 0
+            and all(n % ALIGN == 0 for n in (h, i, rank))
+        ):
+            return self.expert_bytes + wide_extra_bytes(h, i, rank, self.weight_bytes)
+        return self.expert_bytes
 
     def pair_flops(self, rank: int) -> float:
         """FLOPs of one (token, slot) pair, forward + backward (frozen base, trained LoRA)."""
@@ -410,9 +426,11 @@ def expert_gpu_bytes(
     splits: Sequence[LayerSplit],
     tokens: int,
     popularity: Sequence[Sequence[float] | None] | None = None,
+    rank: int = 0,
 ) -> tuple[int, int, int]:
-    """(resident weights, stream buffers, one layer's GPU expert activations) in bytes."""
-    resident = sum(len(s.resident) * sh.expert_bytes for sh, s in zip(shapes, splits, strict=True))
+    """(resident weights, stream buffers, one layer's GPU expert activations) in bytes; ``rank``:
+    the expert LoRA's (resident weights kept in the wide layout hold its blocks)."""
+    resident = sum(len(s.resident) * sh.resident_bytes(rank) for sh, s in zip(shapes, splits, strict=True))
     buffers = STREAM_BUFFERS * max(
         (len(s.streamed) * sh.expert_bytes for sh, s in zip(shapes, splits)), default=0
     )
@@ -467,5 +485,5 @@ def predict(
             else t
             for t, sh, s, cpu_lora in zip(times, shapes, splits, off, strict=True)
         ]
-    res, buf, act = expert_gpu_bytes(shapes, splits, tokens, popularity)
+    res, buf, act = expert_gpu_bytes(shapes, splits, tokens, popularity, rank)
     return Prediction(times, nonexpert_s, res, buf, act)

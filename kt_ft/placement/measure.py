@@ -202,7 +202,7 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda
 
     # the weights are made on the device (fast); the resident copy of them is then a no-op
     base = ExpertWeights(rnd(e, 2 * i, h, scale=h**-0.5), rnd(e, h, i, scale=i**-0.5))
-    experts = DeviceExperts(base, ResidentExperts(base, range(e)), None)
+    experts = DeviceExperts(base, ResidentExperts(base, range(e), lora_rank=rank), None)
     experts.begin(dev)
     # where a run keeps this layer's LoRA (every expert on the device: there, ``lora_home``)
     on_device = lora_home(dev, True) is not None

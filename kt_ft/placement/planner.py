@@ -234,7 +234,7 @@ def choose_splits(
     cum = [0]
     positions: list[list[int]] = [[] for _ in inputs]
     for pos, i in enumerate(order):
-        cum.append(cum[-1] + round(shapes[i].expert_bytes * layer_scale))
+        cum.append(cum[-1] + round(shapes[i].resident_bytes(rank) * layer_scale))
         positions[i].append(pos)
     act = max(sh.gpu_act_bytes(tokens * sh.top_k) for sh in shapes)  # a whole layer on the GPU
     max_e = max(sh.num_experts for sh in shapes)

@@ -265,7 +265,13 @@ def estimate(
             per_expert = expert_numel[e.name] * elt // num
         dev(_device(e.device))["param_bytes"] += per_expert * num  # resident ones too: a copy goes to the GPU
         if on_gpu:
-            dev(train_dev)["param_bytes"] += per_expert * on_gpu
+            wide = (
+                0  # dense resident experts kept with the expert LoRA's blocks beside them (grouped_wide.py)
+            )
+            if not is_quantized(gu) and expert_format is None:
+                shape = LayerShape(num, hidden, inter, k, weight_bytes=elt)
+                wide = shape.resident_bytes(sizes.lora_rank) - shape.expert_bytes
+            dev(train_dev)["param_bytes"] += (per_expert + wide) * on_gpu
         streamed = _stream_count(e, num)
         if streamed:
             stream["layers"] += 1
