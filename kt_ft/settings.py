@@ -90,12 +90,6 @@ _ALL = (
         "numerics",
     ),
     Setting(
-        "KT_FT_EXPANDABLE_SEGMENTS",
-        "1",
-        "0: a placement: auto run without kt_gpu_memory leaves PyTorch's CUDA allocator as configured instead "
-        "of turning on expandable segments (kt_ft/placement/runtime.py; under a cap they are always on)",
-    ),
-    Setting(
         "KT_FT_CUDA_GRAPHS",
         "1",
         "0: a layer whose experts are all resident on the GPU launches each kernel of its expert work "

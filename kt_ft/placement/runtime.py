@@ -51,7 +51,6 @@ from ..moe.graphed import forbid as forbid_graphs
 from ..processes import topology
 from ..rules.plan import PlacementPlan
 from ..rules.report import CUDA_GROWTH_BYTES, TrainSizes, non_expert_activation_bytes
-from ..settings import enabled
 from .auto import auto_layers, format_placement, layer_shape, placement_section, plan_auto, predict_plan
 from .cost import LayerShape, Rates
 from .measure import cpu_rate_key, describe, machine_rates, remember_cpu_flops
@@ -206,12 +205,6 @@ def auto_at_start(
             f"now (CUDA context) + {fmt_bytes(CUDA_GROWTH_BYTES)} kept for kernels loaded later: the allocator is held "
             f"to {fmt_bytes(limit)} (torch.cuda.set_per_process_memory_fraction), of which the plan leaves "
             f"{fmt_bytes(ALLOCATOR_SLACK_BYTES)} free for fragmentation; expandable segments: {expandable}"
-        )
-    elif context is not None and enabled("KT_FT_EXPANDABLE_SEGMENTS"):
-        # no cap: the same allocator setting keeps the driver's peak near the allocated one (a
-        # Qwen3-30B-A3B run held 1.7 GiB reserved but unallocated at its peak without it)
-        logger.info(
-            f"GPU allocator: expandable segments {use_expandable_segments()} (KT_FT_EXPANDABLE_SEGMENTS=0: off)"
         )
     section = placement_section(
         model,
