@@ -7,6 +7,15 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(autouse=True)
+def _whole_gpu_allocator():
+    """A test that plans under ``kt_gpu_memory`` holds the CUDA allocator to a fraction of the GPU
+    (``placement/runtime.limit_allocator``); the tests after it get the whole GPU back."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
 @pytest.fixture
 def rng():
     """A fresh, seeded generator per test: inputs are random but the run is reproducible."""
