@@ -28,15 +28,6 @@ ACT = LayerShape(8, 64, 32, 2, 4, 4).gpu_act_bytes(
 FAST_GPU = Rates(cpu_flops=1e9, link_bytes_s=1e12, gpu_flops=1e13)
 
 
-def gpu_run_overhead(device) -> int:
-    """What a run under a cap on a real GPU holds back beyond ``estimate``'s total: the CUDA context
-    it measures instead of the estimate's assumed one, and the allocator's slack for fragments."""
-    from kt_ft.placement.runtime import ALLOCATOR_SLACK_BYTES, cuda_overhead_now
-    from kt_ft.rules.report import CUDA_OVERHEAD_BYTES
-
-    return cuda_overhead_now(device) - CUDA_OVERHEAD_BYTES + ALLOCATOR_SLACK_BYTES
-
-
 def auto_model(tmp_path, n_resident, rates=FAST_GPU, **model_kw):
     """The tiny model of test_resident.build (same seeds, so the same weights and LoRA init) under
     the auto rule, with a GPU cap that leaves room for ``n_resident`` experts (``model_kw``:
@@ -59,9 +50,12 @@ def auto_model(tmp_path, n_resident, rates=FAST_GPU, **model_kw):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     plan = make_plan(model, load_rules(rule), FAMILIES["qwen3_moe"], "torch", 2)
+    if plan.default_device.type == "cuda":
+        # the caps below are the estimate's bytes for a few experts (tens of KiB): on a real GPU the
+        # run holds back the CUDA context it measures and 0.5 GiB of allocator slack, and its trials
+        # time real kernels, so these planning checks are the CPU machine's (CI runs them)
+        pytest.skip("planner arithmetic at estimate's CUDA overhead: runs where CUDA is absent")
     base = estimate(model, plan, torch.float32, SIZES)["devices"]["cuda:0"]["total_bytes"]
-    if plan.default_device.type == "cuda":  # a GPU machine: the run counts what it measures there
-        base += gpu_run_overhead(plan.default_device)
     cap_gib = (base + ACT + n_resident * EXPERT) / 2**30
     ctx, choice = auto_at_start(model, plan, SIZES, gpu_memory_gib=cap_gib, rates=rates)
     replace_routed_experts(model, plan, RANK, ALPHA / RANK, 4096, seed=1)
