@@ -6,8 +6,7 @@ checkpointing (saved-tensor hooks: no graph for forwards with grad), and with mi
 varied lengths (padded to their token-count bucket; buckets past ``MAX_BUCKETS`` eager). On the CPU
 too: the buckets, and that padding rows change no result of the fused forward and backward.
 
-Both runs take the same kernels in the same order; they differ only in the order of the float
-atomics of ``index_add_`` (the scatter back to tokens). Bounds: losses rel 1e-3 per step, expert
+Both runs take the same kernels in the same order (the padded ones more rows of zeros). Bounds: losses rel 1e-3 per step, expert
 LoRA after the steps abs 2e-3 (bf16 model, fp32 LoRA, AdamW eps 1e-3: ``test_resident.adamw``).
 The CUDA cases run on the GPU machine (sm90+: where every product is one grouped product); the CPU
 checks run everywhere.

@@ -375,8 +375,8 @@ def _output_grads(grad_out, d, ws, tok, pairs, w_shape, w_dtype, needs_w, gd):
     and of the routing weights ([T, k] ``w_dtype``, or None) from the output's gradient [T, H].
 
     Every pair of the call here with grad_out in d's dtype: whole, in that dtype (a token's
-    routing-weight gradients are one batched product of its k rows with its gradient). Else a
-    slice of rows at a time: the gathered accum-dtype rows of grad_out exist for one slice only
+    routing-weight gradients are one batched product of its k rows with its gradient; one [N, H]
+    temporary at a time, which ``LayerShape.gpu_act_bytes`` counts). Else a slice of rows at a time: the gathered accum-dtype rows of grad_out exist for one slice only
     (whole, they were 3 x [N, H] fp32 at once: ~0.4 GiB a Qwen3-30B-A3B layer at 2,048 tokens,
     which the GPU memory cap's plan does not hold)."""
     if pairs.numel() == w_shape.numel() and grad_out.dtype == d.dtype:
@@ -446,8 +446,9 @@ def _wide_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
 
 
 def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: bool):
-    """``FusedGroupedExperts``'s backward as a plain function: grad_out [T, H] (accum dtype), the
-    tensors and meta ``fused_forward`` gave -> (grad_x or None, grad_w or None, six LoRA grads)."""
+    """``FusedGroupedExperts``'s backward as a plain function: grad_out [T, H] (the forward's output
+    dtype: accum, or the weights' with ``out_dtype``), the tensors and meta ``fused_forward`` gave
+    -> (grad_x or None, grad_w or None, six LoRA grads)."""
     if meta.wide is not None:
         return _wide_backward(grad_out, saved, meta, needs_x, needs_w)
     xs, gu, pa, h, pd, d, ws, tok, pairs, a_gu, b_gu, ad, bd, *w_saved = saved

@@ -84,11 +84,15 @@ class WideExperts:
         self.b_d = d_buf[:, :h, i:]  # [G, H, r], scaled
 
     @classmethod
-    def from_weights(cls, gate_up: torch.Tensor, down: torch.Tensor, rank: int, spec, device) -> WideExperts:
-        """Wide buffers on ``device`` holding ``gate_up`` [G, 2I, H] and ``down`` [G, H, I] (any device),
-        the LoRA blocks zero until ``load_lora``. Copied an expert at a time: the device never
-        holds a second copy of the group's weights (a run under a GPU memory cap has no room)."""
-        g, two_i, h = gate_up.shape
+    def from_weights(
+        cls, gate_up: torch.Tensor, down: torch.Tensor, rank: int, spec, device, ids=None
+    ) -> WideExperts:
+        """Wide buffers on ``device`` holding experts ``ids`` (default all) of ``gate_up`` [E, 2I, H]
+        and ``down`` [E, H, I] (any device), the LoRA blocks zero until ``load_lora``. Copied an
+        expert at a time: no second copy of the group's weights on the device (a run under a GPU
+        memory cap has no room) nor on the host."""
+        ids = range(gate_up.shape[0]) if ids is None else ids
+        g, (two_i, h) = len(ids), gate_up.shape[1:]
         i, r = two_i // 2, rank
         gu_buf = torch.empty(g, two_i + 2 * r, h + 2 * r, dtype=gate_up.dtype, device=device)
         d_buf = torch.empty(g, h + r, i + r, dtype=down.dtype, device=device)
@@ -96,9 +100,9 @@ class WideExperts:
         gu_buf[:, :two_i, h:].zero_()
         d_buf[:, h:].zero_()
         d_buf[:, :h, i:].zero_()
-        for e in range(g):
-            gu_buf[e, :two_i, :h].copy_(gate_up[e])
-            d_buf[e, :h, :i].copy_(down[e])
+        for j, e in enumerate(ids):
+            gu_buf[j, :two_i, :h].copy_(gate_up[e])
+            d_buf[j, :h, :i].copy_(down[e])
         return cls(gu_buf, d_buf, h, i, r, spec)
 
     def load_lora(self, ga, gb, ua, ub, da, db, scaling: float) -> None:

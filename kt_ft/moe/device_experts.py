@@ -135,8 +135,8 @@ class DeviceExperts:
 
         x [T, H], local [T, k] (from ``split``), weights [T, k], the layer's full LoRA (six fp32
         [E, ...] parameters: on the CPU, or on x's device when ``lora_on_device``) -> ``finish()``
-        [T, H] float32 (float64 for float64 weights) on x's device, differentiable w.r.t. x,
-        weights and lora.
+        [T, H] float32 (float64 for float64 weights; x's dtype when every expert of the layer is
+        resident) on x's device, differentiable w.r.t. x, weights and lora.
 
         Why two steps: the share is computed here on a graph of its own (``_DeviceShare``), and
         ``finish`` attaches it to the model's graph *after* the CPU op. Autograd runs the most

@@ -61,11 +61,8 @@ class ResidentExperts:
             return (t if every else t.index_select(0, idx.to(t.device))).to(device)
 
         if self.wide_layout():
-            # an expert at a time from the host copy into the buffers: no second device copy
-            src = b.gate_up, b.down
-            if not every:
-                src = tuple(t.index_select(0, idx.to(t.device)) for t in src)
-            wide = WideExperts.from_weights(*src, self.lora_rank, b.spec, device)
+            # an expert at a time from the host copy into the buffers: no second copy anywhere
+            wide = WideExperts.from_weights(b.gate_up, b.down, self.lora_rank, b.spec, device, self.ids)
             self.weights = ExpertWeights(
                 wide.gate_up, wide.down, sel(b.gate_up_bias), sel(b.down_bias), spec=b.spec, wide=wide
             )

@@ -159,11 +159,14 @@ class LayerShape:
         the activation and the down output: (2·H + 3·I) values a pair, the weights' dtype) and, at
         the backward's widest point, the down output's gradient or the input's (H) beside gate|up's
         (2·I), plus the fp32 slices both passes gather (``BACKWARD_SLICE_ROWS`` pairs x H, two at
-        once). The forward's gate|up product and its LoRA term (2·I each) fit under that."""
+        once) or, where every pair of a layer is on the GPU and its output gradient comes in the
+        weights' dtype, one whole [pairs, H] gather of it. The forward's gate|up product and its
+        LoRA term (2·I each) fit under that."""
         if pairs <= 0:
             return 0
         h, i = self.hidden, self.inter
-        act = int(pairs * (3 * h + 5 * i) * self.act_bytes + 2 * min(pairs, BACKWARD_SLICE_ROWS) * h * 4)
+        gathered = max(2 * min(pairs, BACKWARD_SLICE_ROWS) * h * 4, pairs * h * self.act_bytes)
+        act = int(pairs * (3 * h + 5 * i) * self.act_bytes + gathered)
         return act + self.dequant_bytes()
 
     def dequant_bytes(self) -> int:

@@ -265,9 +265,8 @@ def estimate(
             per_expert = expert_numel[e.name] * elt // num
         dev(_device(e.device))["param_bytes"] += per_expert * num  # resident ones too: a copy goes to the GPU
         if on_gpu:
-            wide = (
-                0  # dense resident experts kept with the expert LoRA's blocks beside them (grouped_wide.py)
-            )
+            # dense resident experts are kept with the expert LoRA's blocks beside them (grouped_wide.py)
+            wide = 0
             if not is_quantized(gu) and expert_format is None:
                 shape = LayerShape(num, hidden, inter, k, weight_bytes=elt)
                 wide = shape.resident_bytes(sizes.lora_rank) - shape.expert_bytes
