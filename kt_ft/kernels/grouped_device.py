@@ -441,8 +441,7 @@ def _wide_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
     if needs_x:
         dxs = grouped_mm(dgw, wide.gu_cols, groups)  # [N, H] = dgu W_gu + dpa A_gu
         grad_x = _input_grad(dxs, grad_out, tok, pairs, meta.x_shape, meta.x_dtype, meta.w_shape)
-    lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)
-    return (grad_x, grad_w, *(g_.to(dtype) for g_, dtype in zip(lo, meta.lora_dtypes)))
+    return (grad_x, grad_w, *_lora_grads(grad_agu, grad_bgu, grad_da, grad_db, gs, us, r, meta.lora_dtypes))
 
 
 def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: bool):
@@ -492,9 +491,15 @@ def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
         del dgu
         dxs = wgu_x.add_(grouped_mm(dpa, a_gu, groups))
         grad_x = _input_grad(dxs, grad_out, tok, pairs, x_shape, x_dtype, w_shape)
+    return (grad_x, grad_w, *_lora_grads(grad_agu, grad_bgu, grad_da, grad_db, gs, us, r, lora_dtypes))
+
+
+def _lora_grads(grad_agu, grad_bgu, grad_da, grad_db, gs, us, r, dtypes) -> list[torch.Tensor]:
+    """The six LoRA gradients (gate A, gate B, up A, up B, down A, down B) in ``dtypes`` from the
+    stacked ones: [Ag; Au] [G, 2r, H], B_gu [G, 2I, 2r] (its gate rows' first r columns, its up
+    rows' last r), Ad, Bd."""
     lo = (grad_agu[:, :r], grad_bgu[:, gs, :r], grad_agu[:, r:], grad_bgu[:, us, r:], grad_da, grad_db)
-    lora_grads = [g_.to(dtype) for g_, dtype in zip(lo, lora_dtypes)]
-    return (grad_x, grad_w, *lora_grads)
+    return [g_.to(dtype) for g_, dtype in zip(lo, dtypes)]
 
 
 def _by_token(rows: torch.Tensor, pairs: torch.Tensor, k: int) -> torch.Tensor:

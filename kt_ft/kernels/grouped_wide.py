@@ -35,16 +35,19 @@ from __future__ import annotations
 
 import torch
 
+from ..settings import enabled
 from .base import ExpertSpec
 
 ALIGN = 8  # elements: 16 bytes of bf16, the row alignment torch._grouped_mm asks of its operands
 
 
 def wide_fits(spec: ExpertSpec, hidden: int, inter: int, rank: int, quantized: bool) -> bool:
-    """Whether experts of these sizes can be kept in the wide layout: the default row-major spec,
-    dense weights, and H, I and r multiples of ``ALIGN``."""
+    """Whether resident experts of these sizes are kept in the wide layout: ``KT_FT_WIDE_EXPERTS``
+    on, a row-major spec (gpt-oss's transposed one stays plain), dense weights, and H, I and r
+    multiples of ``ALIGN``."""
     return (
-        not spec.transposed
+        enabled("KT_FT_WIDE_EXPERTS")
+        and not spec.transposed
         and not quantized
         and rank > 0
         and all(n % ALIGN == 0 for n in (hidden, inter, rank))

@@ -17,7 +17,6 @@ import torch
 
 from ..kernels.base import ExpertWeights
 from ..kernels.grouped_wide import WideExperts, wide_fits
-from ..settings import enabled
 
 
 class ResidentExperts:
@@ -75,9 +74,7 @@ class ResidentExperts:
     def wide_layout(self) -> bool:
         """Whether the weights go to the device in the wide layout (``kernels/grouped_wide.py``)."""
         b = self._cpu_base
-        return enabled("KT_FT_WIDE_EXPERTS") and wide_fits(
-            b.spec, b.hidden, b.intermediate, self.lora_rank, b.quantized is not None
-        )
+        return wide_fits(b.spec, b.hidden, b.intermediate, self.lora_rank, b.quantized is not None)
 
     def nbytes(self) -> int:
         """Bytes of base weights held on the device (0 before the first ``to_device``)."""

@@ -83,9 +83,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from ..kernels.base import DEFAULT_SPEC
 from ..kernels.grouped_device import BACKWARD_SLICE_ROWS
-from ..kernels.grouped_wide import ALIGN, wide_extra_bytes
-from ..settings import enabled, positive_number
+from ..kernels.grouped_wide import wide_extra_bytes, wide_fits
+from ..settings import positive_number
 
 PASSES = 2  # times a streamed layer's weights cross the link per step (forward + recompute)
 STREAM_BUFFERS = 2  # layers of stream buffers on the GPU (one computing, one filling)
@@ -134,12 +135,7 @@ class LayerShape:
         counted for every dense layout whose sizes allow it: the transposed one, kept plain, is
         over-counted by ~1%)."""
         h, i = self.hidden, self.inter
-        if (
-            self.stored_bytes is None
-            and enabled("KT_FT_WIDE_EXPERTS")
-            and rank > 0
-            and all(n % ALIGN == 0 for n in (h, i, rank))
-        ):
+        if wide_fits(DEFAULT_SPEC, h, i, rank, quantized=self.stored_bytes is not None):
             return self.expert_bytes + wide_extra_bytes(h, i, rank, self.weight_bytes)
         return self.expert_bytes
 
