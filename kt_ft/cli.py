@@ -186,12 +186,14 @@ def _bench(args: argparse.Namespace) -> int:
             e2e_systems = parse_systems(args.e2e_systems or DEFAULT_SYSTEMS)
         except ValueError as e:
             raise KTConfigError(str(e)) from None
+        if args.e2e_rounds < 1:
+            raise KTConfigError(f"--e2e-rounds {args.e2e_rounds}: at least 1 (passes over the systems)")
         layers = int(args.layers) if args.layers else None
         run_e2e(preset=args.preset, layers=layers, systems=e2e_systems, workdir=Path(args.workdir),
                 cutoff_len=args.seq, steps=args.e2e_steps, grad_accum=args.grad_accum, threads=args.threads,
                 cpu_infer=args.cpu_infer,
                 timeout_s=args.run_timeout, json_path=args.json if parts == ["e2e"] else None,
-                peer_site=args.peer_site, lengths=args.e2e_lengths)  # fmt: skip
+                peer_site=args.peer_site, lengths=args.e2e_lengths, rounds=args.e2e_rounds)  # fmt: skip
         parts = [p for p in parts if p != "e2e"]
         if not parts:
             return 0
@@ -354,6 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--e2e-steps", type=int, default=5, help="e2e part: optimizer steps per run (max_steps)"
+    )
+    bench.add_argument(
+        "--e2e-rounds",
+        type=int,
+        default=1,
+        help="e2e part: passes over the systems, each in the reverse order of the one before; the table "
+        "pairs each run with the peft run of its round and ends with each system's median",
     )
     bench.add_argument(
         "--cpu-infer",

@@ -60,7 +60,8 @@ for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
 done
 # the product path: `llamafactory-cli train` once per system on a random model of a real config
 # (E2E_PRESETS, E2E_LAYERS: a count, empty = full depth; E2E_SYSTEMS, where `+fp8` etc. runs a system on
-# the model's `kt-ft quantize` copy; E2E_STEPS; E2E_LENGTHS=varied: examples of varied lengths; E2E_PROFILE=1: one step of each run under torch.profiler,
+# the model's `kt-ft quantize` copy; E2E_STEPS; E2E_ROUNDS: passes over the systems, alternating order;
+# E2E_LENGTHS=varied: examples of varied lengths; E2E_PROFILE=1: one step of each run under torch.profiler,
 # tables under $OUT/e2e-prof.tgz)
 [[ ${E2E_PROFILE:-0} == 1 ]] && export KT_FT_PROFILE=/tmp/e2e-prof
 for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
@@ -68,7 +69,7 @@ for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
   timeout "${E2E_TIMEOUT:-570}" python3 -m kt_ft.cli bench --parts e2e --preset "$preset" ${E2E_LAYERS:+--layers "$E2E_LAYERS"} \
     --threads "$THREADS" --e2e-steps "${E2E_STEPS:-5}" --workdir "/tmp/e2e-$preset" --json "$OUT/e2e-$preset.json" \
     ${E2E_SYSTEMS:+--e2e-systems "$E2E_SYSTEMS"} ${PEER_SITE:+--peer-site "$PEER_SITE"} \
-    ${E2E_LENGTHS:+--e2e-lengths "$E2E_LENGTHS"} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tee "$OUT/e2e-$preset.log"
+    ${E2E_LENGTHS:+--e2e-lengths "$E2E_LENGTHS"} ${E2E_ROUNDS:+--e2e-rounds "$E2E_ROUNDS"} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tee "$OUT/e2e-$preset.log"
   mkdir -p "$OUT/e2e-logs" && for f in /tmp/e2e-"$preset"/runs/*/train.log; do
     d=$(dirname "$f"); cp "$f" "$OUT/e2e-logs/$preset-$(basename "$d").log"
     [[ -f $d/host_memory.csv ]] && cp "$d/host_memory.csv" "$OUT/e2e-logs/$preset-$(basename "$d")-host.csv"; done

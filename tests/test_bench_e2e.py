@@ -229,3 +229,42 @@ def test_varied_lengths_span_a_quarter_of_cutoff_to_all_of_it(tmp_path):
     write_assets(tmp_path, "tiny", None, 256, 24)  # back to cutoff: rewritten, every example long
     rows = json.loads((data_dir / f"{DATASET}.json").read_text())
     assert min(len(tok(r["output"])["input_ids"]) for r in rows) > 256
+
+
+def test_rounds_alternate_the_order_and_pair_each_run_with_its_rounds_peft(tmp_path, monkeypatch, capsys):
+    """``--e2e-rounds 3``: the systems run A B, B A, A B (each run in its own ``-r<N>`` directory),
+    each record knows its round, every row's ratio is to the peft run of its round, and the table
+    ends with each system's median over the rounds and the ratio of the medians. The runs are stubbed
+    (what a run measures is the other tests'): tokens/s grow with the run's position, as a drifting
+    host's can, and kt-cpu:torch is 0.9x what peft would get in the same position."""
+    from kt_ft.bench import e2e
+
+    calls = []
+
+    def fake_run(system, recipe, run_dir, **kw):
+        calls.append((system.name, run_dir.name))
+        drift = 1000.0 * (1 + len(calls))  # later runs faster
+        rate = drift if system.name == "peft" else 0.9 * drift
+        return e2e.E2ERecord(system.name, "tiny", 2, 0, 1.0, tok_s=rate, gpu_peak_bytes=None)
+
+    monkeypatch.setattr(e2e, "write_assets", lambda *a: (tmp_path / "m", tmp_path / "d", 2))
+    monkeypatch.setattr(e2e, "write_recipe", lambda run_dir, *a, **k: run_dir / "recipe.yaml")
+    monkeypatch.setattr(e2e, "run_system", fake_run)
+    systems = e2e.parse_systems("peft,kt-cpu:torch")
+    recs = e2e.run_e2e(preset="tiny", layers=None, systems=systems, workdir=tmp_path, threads=1, rounds=3)
+    assert calls == [
+        ("peft", "peft-r1"), ("kt-cpu:torch", "kt-cpu-torch-r1"),
+        ("kt-cpu:torch", "kt-cpu-torch-r2"), ("peft", "peft-r2"),
+        ("peft", "peft-r3"), ("kt-cpu:torch", "kt-cpu-torch-r3"),
+    ]  # fmt: skip
+    assert [r.round for r in recs] == [1, 1, 2, 2, 3, 3]
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("kt-cpu:torch ")]
+    # against the peft run of its own round: the run after peft's gains from the drift (0.9 x
+    # 3,000 / 2,000 and 0.9 x 7,000 / 6,000), the run before it loses (0.9 x 4,000 / 5,000)
+    assert [row[2] for row in rows] == ["2,700", "3,600", "6,300"], out
+    assert [row[3] for row in rows] == ["1.35", "0.72", "1.05"], out
+    # medians: peft 2,000 / 5,000 / 6,000 -> 5,000; kt 2,700 / 3,600 / 6,300 -> 3,600: 0.72x
+    assert "3,600 tok/s (2,700-6,300, 3 runs), 0.72x peft's median" in out, out
+    with pytest.raises(ValueError, match="--e2e-rounds 0"):
+        e2e.run_e2e(preset="tiny", layers=None, systems=systems, workdir=tmp_path, threads=1, rounds=0)

@@ -35,8 +35,14 @@ as used memory (``MemTotal - MemAvailable``: page cache excluded), and its rise 
 machine. For kt-ft runs with ``placement: auto`` the cost model's predicted micro-batch time is
 read from the run's log and shown beside the measured one.
 
+``--e2e-rounds N`` runs the list N times, each round in the reverse order of the one before
+(A B C, C B A, ...): on a host whose speed drifts from process to process (one H100 host measured
+the same non-expert work at 143 and 168 ms a micro-batch in two runs of one call), a system that
+always runs first after another is not told apart from the order. Each run is then compared with
+the ``peft`` run of its own round, and the table ends with each system's median over the rounds.
+
 Every run keeps its recipe, rule and log under ``--workdir``: ``llamafactory-cli train
-WORKDIR/runs/<system>/recipe.yaml`` reruns one system by hand.
+WORKDIR/runs/<system>/recipe.yaml`` reruns one system by hand (``<system>-r<N>`` with rounds).
 """
 
 from __future__ import annotations
@@ -476,6 +482,7 @@ class E2ERecord:
     cap_gib: float | None = None
     grad_accum: int = 1  # micro-batches an optimizer step
     note: str = ""
+    round: int = 1  # ``--e2e-rounds``: which pass over the systems (1-based)
 
     @property
     def measured_micro_s(self) -> float | None:
@@ -632,9 +639,13 @@ def run_e2e(
     keep_model: bool = True,
     peer_site: str | None = None,
     lengths: str = "cutoff",
+    rounds: int = 1,
 ) -> list[E2ERecord]:
-    """Write the assets, run every system (in order, one process each), print the table.
-    ``peer_site``: the directory holding transformers-kt, accelerate-kt and kt-kernel for ``kt-peer``."""
+    """Write the assets, run every system (one process each; ``rounds`` passes over them, each in
+    the reverse order of the one before), print the table. ``peer_site``: the directory holding
+    transformers-kt, accelerate-kt and kt-kernel for ``kt-peer``."""
+    if rounds < 1:
+        raise ValueError(f"--e2e-rounds {rounds}: at least 1")
     import torch
 
     if any(s.kind == "peer" for s in systems) and not (peer_site and Path(peer_site).is_dir()):
@@ -658,11 +669,16 @@ def run_e2e(
         quant_dirs = {q: write_quantized(model_dir, q) for q in _quants(systems)}
     records = []
     prof_root = settings.get("KT_FT_PROFILE")
+    runnable = []
     for system in systems:
         if not cuda and system.kind in ("auto", "stream", "peer"):
             print(f"skipping {system.name}: needs a CUDA GPU")
-            continue
+        else:
+            runnable.append(system)
+    for rnd, system in run_order(runnable, rounds):
         run_dir = workdir / "runs" / re.sub(r"[^\w.+-]", "-", system.name.replace("@", "-at-"))
+        if rounds > 1:
+            run_dir = run_dir.with_name(f"{run_dir.name}-r{rnd}")
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
         recipe = write_recipe(
@@ -682,6 +698,7 @@ def run_e2e(
             system, recipe, run_dir, preset=preset, layers=layers, grad_accum=grad_accum,
             gpu_index=gpu_index, timeout_s=timeout_s, env=env,
         )  # fmt: skip
+        rec.round = rnd
         print(f"[{system.name}] {_one_line(rec)}", flush=True)
         records.append(rec)
         if json_path:
@@ -696,6 +713,15 @@ def run_e2e(
         for d in (model_dir, *quant_dirs.values()):
             shutil.rmtree(d, ignore_errors=True)
     return records
+
+
+def run_order(systems: list, rounds: int) -> list[tuple[int, object]]:
+    """(round, system) in run order: ``rounds`` passes over ``systems``, each in the reverse order
+    of the one before (1-based rounds)."""
+    out = []
+    for rnd in range(1, rounds + 1):
+        out += [(rnd, s) for s in (systems if rnd % 2 else systems[::-1])]
+    return out
 
 
 def _quants(systems: list[System]) -> list[str]:
@@ -763,16 +789,23 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
     if not records:
         return
     r0 = records[0]
-    base = next((r for r in records if r.system == "peft" and r.tok_s), None)
+    rounds = max(r.round for r in records)
+
+    def base_of(rec: E2ERecord) -> E2ERecord | None:  # the peft run of its round, else the first one
+        peft = [r for r in records if r.system == "peft" and r.tok_s]
+        return next((r for r in peft if r.round == rec.round), peft[0] if peft else None)
+
     print(
         f"\nllamafactory-cli train, {r0.preset} x{r0.layers} layers, cutoff_len {cutoff_len}, batch 1 x "
         f"{grad_accum} accumulation; tokens/s between the first and last logged steps (LF's trainer_log.jsonl)"
     )
-    head = f"{'system':<20}{'tok/s':>9}{'x peft':>8}{'last half':>10}{'GPU peak':>10}{'x peft':>8}"
+    head = f"{'system':<20}" + (f"{'round':>6}" if rounds > 1 else "")
+    head += f"{'tok/s':>9}{'x peft':>8}{'last half':>10}{'GPU peak':>10}{'x peft':>8}"
     head += f"{'host peak':>11}{'host rise':>11}"
     head += f"{'ms/micro':>10}{'predicted':>11}{'loss 1':>9}"
     print(head)
     for r in records:
+        base = base_of(r)
         tok = f"{r.tok_s:,.0f}" if r.tok_s else "-"
         half = f"{r.tok_s_last_half:,.0f}" if r.tok_s_last_half else "-"
         xs = f"{r.tok_s / base.tok_s:.2f}" if base and r.tok_s else "-"
@@ -785,11 +818,14 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
         meas = f"{r.measured_micro_s * 1e3:.0f}" if r.measured_micro_s else "-"
         pred = f"{r.predicted_micro_s * 1e3:.0f}" if r.predicted_micro_s else "-"
         loss = f"{r.first_loss:.4f}" if r.first_loss is not None else "-"
+        rnd = f"{r.round:>6}" if rounds > 1 else ""
         print(
-            f"{r.system:<20}{tok:>9}{xs:>8}{half:>10}{gpu:>10}{xg:>8}{r.host_peak_bytes / GIB:>10.1f}G"
+            f"{r.system:<20}{rnd}{tok:>9}{xs:>8}{half:>10}{gpu:>10}{xg:>8}{r.host_peak_bytes / GIB:>10.1f}G"
             f"{r.host_rise_bytes / GIB:>10.1f}G{meas:>10}{pred:>11}{loss:>9}"
             + (f"  {r.note}" if r.note else "")
         )
+    if rounds > 1:
+        print(median_summary(records))
     agree = loss_agreement(records)
     if agree is not None:
         ref, worst, steps = agree
@@ -797,3 +833,26 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
             f"kt-ft systems' losses over {steps} logged steps: at most {worst:.2e} relative from {ref}'s "
             "(the same adapter from the same start: placement arithmetic only)"
         )
+
+
+def median_summary(records: list[E2ERecord]) -> str:
+    """Each system's median tokens/s over its rounds (its range), and the ratio of that median to
+    peft's; the GPU peak as its largest."""
+    import statistics
+
+    names = list(dict.fromkeys(r.system for r in records))
+    rates = {n: [r.tok_s for r in records if r.system == n and r.tok_s] for n in names}
+    peft = statistics.median(rates["peft"]) if rates.get("peft") else None
+    lines = ["medians over the rounds:"]
+    for n in names:
+        if not rates[n]:
+            lines.append(f"  {n:<30} no rate")
+            continue
+        med = statistics.median(rates[n])
+        ratio = f", {med / peft:.2f}x peft's median" if peft else ""
+        peaks = [r.gpu_peak_bytes for r in records if r.system == n and r.gpu_peak_bytes]
+        gpu = f", GPU peak up to {max(peaks) / GIB:.2f}G" if peaks else ""
+        lines.append(
+            f"  {n:<30} {med:,.0f} tok/s ({min(rates[n]):,.0f}-{max(rates[n]):,.0f}, {len(rates[n])} runs){ratio}{gpu}"
+        )
+    return "\n".join(lines)
