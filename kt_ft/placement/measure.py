@@ -188,10 +188,12 @@ def measure_gpu_expert_flops(shape: LayerShape, tokens: int, device: str = "cuda
     all-device layer of one process, else the rows' copy there and their gradients' copy back --,
     grouped products, autograd), forward + backward, counted with ``pair_flops`` (the
     cost model adds the recompute's forward at this rate). Every expert of the layer when they fit
-    in 4 GiB, else fewer at the same rows per expert."""
+    in 4 GiB, else fewer at the same rows per expert (2 GiB where the resident copy is the wide
+    layout's, ``kernels/grouped_wide.py``: the weights made here and that copy exist at once)."""
 
     h, i, k = shape.hidden, shape.inter, shape.top_k
-    e = max(k, min(shape.num_experts, (4 * 2**30) // max(1, shape.expert_bytes)))
+    budget = 4 * 2**30 // (2 if shape.resident_bytes(rank) > shape.expert_bytes else 1)
+    e = max(k, min(shape.num_experts, budget // max(1, shape.expert_bytes)))
     m = rows_per_expert(shape, tokens)
     t = max(1, math.ceil(m * e / k))
     dev, bf = torch.device(device), torch.bfloat16
