@@ -254,14 +254,17 @@ def test_torch_backend_gpt_oss_matches_reference(dtype, case, rng):
     c = CASES[case]
     lim = GPT_OSS_SPEC.limit
     print(f"generator seed {rng.initial_seed()}")
+    # draw again in the rare problem with a pre-activation within ``margin`` of a clamp's limit,
+    # where the dtype's rounding decides the side (and the gradient there is 0 or not): bf16 within
+    # 1 (a tail of the LoRA products, see above; the random case only), fp32 within 1e-4 (seed
+    # 62244 drew |u| 2.8e-8 from the limit: fp32 and the float64 reference clamped differently)
+    margin = 1.0 if dtype == torch.bfloat16 else 1e-4
     for _draw in range(20):
         base, lora, x, ids, w, gy = gpt_oss_problem(c["T"], c["E"], c["k"], dtype, rng, ids=c["ids"])
-        if case != "random" or dtype != torch.bfloat16:
+        if case != "random" and dtype == torch.bfloat16:
             break
-        # bf16: draw again in the rare problem (a tail of the LoRA products) with a pre-activation
-        # within 1 of a clamp's limit, where bf16 rounding decides the side (see above)
         g, u = pre_activations(base, lora, x, ids, 2.0)
-        if (g - lim).abs().min() > 1 and (u.abs() - lim).abs().min() > 1:
+        if (g - lim).abs().min() > margin and (u.abs() - lim).abs().min() > margin:
             break
     if case == "random":  # enough pairs to require every side of both clamps
         g, u = pre_activations(base, lora, x, ids, 2.0)

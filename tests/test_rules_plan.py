@@ -13,6 +13,7 @@ import torch
 from tiny_models import tiny_model
 
 from kt_ft.cli import main
+from kt_ft.kernels.grouped_wide import wide_extra_bytes
 from kt_ft.rules.report import CUDA_GROWTH_BYTES, CUDA_OVERHEAD_BYTES
 
 # tiny_model("qwen3_moe"): H 64, 4 q heads / 2 kv heads of 16, 2 layers, 8 experts of I 32, top-2, V 97
@@ -111,7 +112,9 @@ def test_plan_shows_gpu_experts_and_layer_split(model_dirs, tmp_path, capsys):
     }
     per_expert = EXPERT_PARAMS // (L * E) * 4
     assert r["devices"]["cpu"]["param_bytes"] == 2 * E * per_expert  # the CPU keeps every expert
-    assert r["devices"]["cuda:0"]["param_bytes"] == (2 * V * H + PER_LAYER + H) * 4 + 2 * per_expert
+    # a resident expert's copy on the GPU holds its expert LoRA's blocks beside it (grouped_wide.py)
+    resident = per_expert + wide_extra_bytes(H, I, R, 4)
+    assert r["devices"]["cuda:0"]["param_bytes"] == (2 * V * H + PER_LAYER + H) * 4 + 2 * resident
     assert r["devices"]["cuda:1"]["param_bytes"] == PER_LAYER * 4
     # layer 1 has GPU experts: its expert LoRA (and AdamW state) counts on the training GPU,
     # layer 0's stays on the CPU (placement/homes.py lora_home)
