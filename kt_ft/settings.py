@@ -139,6 +139,11 @@ _ALL = (
     Setting("KT_FT_PROFILE", None, "DIR: one optimizer step of a llamafactory-cli run under torch.profiler"),
     Setting("KT_FT_PROFILE_STEP", "3", "the optimizer step KT_FT_PROFILE records (1-based)"),
     Setting("KT_FT_PROFILE_TRACE", "0", "1: KT_FT_PROFILE also writes a gzipped Chrome trace"),
+    Setting(
+        "KT_FT_HOST_TIME",
+        "0",
+        "1: a llamafactory-cli run logs, at its end, each step's wall time and its threads' CPU time (medians)",
+    ),
     Setting("KT_FT_BENCH_PROFILE", None, "DIR: the in-process step bench profiles one step there"),
     Setting("KT_FT_BENCH_TRACE", "0", "1: KT_FT_BENCH_PROFILE also writes the timeline"),
     Setting(

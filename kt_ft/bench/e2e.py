@@ -483,6 +483,11 @@ class E2ERecord:
     grad_accum: int = 1  # micro-batches an optimizer step
     note: str = ""
     round: int = 1  # ``--e2e-rounds``: which pass over the systems (1-based)
+    # ``KT_FT_HOST_TIME``'s line (``llamafactory/host_time.py``): median wall ms a step and the main
+    # thread's CPU ms in it, unprofiled
+    host_step_ms: float | None = None
+    host_main_ms: float | None = None
+    host_line: str = ""
 
     @property
     def measured_micro_s(self) -> float | None:
@@ -532,6 +537,7 @@ def last_half_rate(rows: list[dict], skip_step: int | None = None) -> float | No
 
 _PREDICTED = re.compile(r"predicted step ([0-9.]+) ms")
 _CPU_OP = re.compile(r"CPU op busy ([0-9.]+) s in")
+_HOST = re.compile(r"(host time a step .*?: wall ([0-9]+) ms; CPU busy: main thread ([0-9]+) ms.*)$", re.M)
 
 
 def llamafactory_cli() -> str:
@@ -584,6 +590,7 @@ def run_system(
     text = log_path.read_text(errors="replace")
     pred = _PREDICTED.findall(text)
     op = _CPU_OP.findall(text)
+    host = _HOST.findall(text)
     rec = E2ERecord(
         system=system.name,
         preset=preset,
@@ -606,6 +613,9 @@ def run_system(
         cap_gib=system.cap_gib,
         grad_accum=grad_accum,
     )
+    if host:
+        rec.host_line, wall, main = host[-1]
+        rec.host_step_ms, rec.host_main_ms = float(wall), float(main)
     if rc != 0:
         rec.note = f"exit {rc}: " + _failure(text)
     elif rate is None:
@@ -689,6 +699,7 @@ def run_e2e(
         # KT_FT_PROFILE=DIR for the bench: each run profiles one step into DIR/<system> (that step
         # is left out of its rate; kt_ft/llamafactory/profile.py)
         env = {"KT_FT_PROFILE": str(Path(prof_root) / run_dir.name)} if prof_root else {}
+        env["KT_FT_HOST_TIME"] = "1"  # every system's host time a step, unprofiled (``host_time.py``)
         if system.setting is not None:
             env[system.setting[0]] = system.setting[1]
         if system.kind == "peer":
@@ -734,9 +745,10 @@ def _one_line(r: E2ERecord) -> str:
     gpu = f", GPU peak {r.gpu_peak_bytes / GIB:.1f} GiB" if r.gpu_peak_bytes else ""
     load = f" (before training {r.host_peak_load_bytes / GIB:.1f})" if r.host_peak_load_bytes else ""
     op = f", CPU op {r.cpu_op_micro_s * 1e3:.0f} ms a micro-batch" if r.cpu_op_micro_s else ""
+    host = f"; {r.host_line}" if r.host_line else ""
     return (
         f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}{op}, {r.seconds:.0f} s "
-        f"{r.note}"
+        f"{r.note}{host}"
     )
 
 
@@ -802,7 +814,7 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
     head = f"{'system':<20}" + (f"{'round':>6}" if rounds > 1 else "")
     head += f"{'tok/s':>9}{'x peft':>8}{'last half':>10}{'GPU peak':>10}{'x peft':>8}"
     head += f"{'host peak':>11}{'host rise':>11}"
-    head += f"{'ms/micro':>10}{'predicted':>11}{'loss 1':>9}"
+    head += f"{'ms/micro':>10}{'predicted':>11}{'host main':>10}{'loss 1':>9}"
     print(head)
     for r in records:
         base = base_of(r)
@@ -818,10 +830,12 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
         meas = f"{r.measured_micro_s * 1e3:.0f}" if r.measured_micro_s else "-"
         pred = f"{r.predicted_micro_s * 1e3:.0f}" if r.predicted_micro_s else "-"
         loss = f"{r.first_loss:.4f}" if r.first_loss is not None else "-"
+        # the main thread's CPU ms a step over the step's wall ms (``host_time.py``)
+        hm = f"{r.host_main_ms / r.host_step_ms:.0%}" if r.host_main_ms and r.host_step_ms else "-"
         rnd = f"{r.round:>6}" if rounds > 1 else ""
         print(
             f"{r.system:<20}{rnd}{tok:>9}{xs:>8}{half:>10}{gpu:>10}{xg:>8}{r.host_peak_bytes / GIB:>10.1f}G"
-            f"{r.host_rise_bytes / GIB:>10.1f}G{meas:>10}{pred:>11}{loss:>9}"
+            f"{r.host_rise_bytes / GIB:>10.1f}G{meas:>10}{pred:>11}{hm:>10}{loss:>9}"
             + (f"  {r.note}" if r.note else "")
         )
     if rounds > 1:

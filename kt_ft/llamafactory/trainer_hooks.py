@@ -30,6 +30,7 @@ from ..memory import memory_report
 from ..processes import barrier
 from ..run_stats import PhasePeaks, run_summary
 from .fsdp_trainer import patch_trainer_for_fsdp2
+from .host_time import host_time_from_env
 from .profile import profiler_from_env
 
 logger = get_logger(__name__)
@@ -135,10 +136,12 @@ def patch_tuner_module(tuner: ModuleType) -> None:
 
     def _training_function(config: dict[str, Any]) -> None:
         profiler = profiler_from_env()  # KT_FT_PROFILE: one optimizer step under torch.profiler
+        host = host_time_from_env()  # KT_FT_HOST_TIME: the threads' CPU time a step, unprofiled
         callbacks = [
             *(config.get("callbacks") or []),
             KTCheckpointCallback(),
             *([profiler] if profiler else []),
+            *([host] if host else []),
         ]
         return original({**config, "callbacks": callbacks})
 
