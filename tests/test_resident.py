@@ -105,7 +105,10 @@ def _first_grads(model, gc) -> dict[str, torch.Tensor]:
     ids = batches()[0]
     model(input_ids=ids, labels=ids).loss.backward()
     return {
-        n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters() if p.requires_grad
+        # on the CPU: with a GPU present the rule's ``default: {device: cuda}`` homes the expert LoRA there
+        n: None if p.grad is None else p.grad.cpu().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad
     }
 
 
@@ -135,15 +138,25 @@ def gpu_rule(tmp_path):
     return p
 
 
+@pytest.fixture()
+def cpu_home_rule(tmp_path):
+    """GPU_RULE with the CPU as the training device, on every machine: the "resident" experts and
+    their LoRA stay on the CPU where a GPU is present too (CI has none, and there ``cuda`` resolves
+    to the CPU: the same run on both)."""
+    p = tmp_path / "gpu-cpu-home.yaml"
+    p.write_text(GPU_RULE.replace("- default: {device: cuda}", "- default: {device: cpu}"))
+    return p
+
+
 def batches():
     gen = torch.Generator().manual_seed(5)
     return [torch.randint(1, 97, (2, 12), generator=gen) for _ in range(3)]
 
 
 @pytest.mark.parametrize("gc", [False, True])
-def test_resident_experts_train_like_all_cpu(gpu_rule, gc):
+def test_resident_experts_train_like_all_cpu(cpu_home_rule, gc):
     cpu_model = build(resolve_rule_path("qwen3_moe-torch"))
-    res_model = build(gpu_rule)
+    res_model = build(cpu_home_rule)
     layers = kt_layers(res_model)
     assert [m.resident.ids for m in layers] == [(0, 1, 2), (1, 6)]
     sd_names = set(res_model.state_dict())
@@ -152,7 +165,7 @@ def test_resident_experts_train_like_all_cpu(gpu_rule, gc):
     first = [_first_grads(m, gc) for m in (cpu_model, res_model)]
     assert first[0].keys() == first[1].keys() and any("experts.up_a" in n for n in first[0])
     for n, g in first[0].items():
-        torch.testing.assert_close(first[1][n], g, rtol=0, atol=2e-6 * g.abs().max().item(), msg=n)
+        torch.testing.assert_close(first[1][n], g, rtol=0, atol=2e-6 * g.abs().max().item(), msg=lambda m, n=n: f"{n}: {m}")
     for m in (cpu_model, res_model):
         m.zero_grad(set_to_none=True)
     ref = train(cpu_model, batches(), 4, gc)
@@ -168,10 +181,10 @@ def test_resident_experts_train_like_all_cpu(gpu_rule, gc):
     a, b = expert_lora(res_model), expert_lora(cpu_model)
     assert a.keys() == b.keys() and a
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
+        torch.testing.assert_close(a[k].cpu(), b[k].cpu(), rtol=0, atol=1e-4, msg=k)
     # the resident experts' LoRA did train (through the device path only)
     m = layers[1]
-    init = build(gpu_rule)
+    init = build(cpu_home_rule)
     assert not torch.equal(m.gate_a[6], kt_layers(init)[1].gate_a[6])
     assert set(res_model.state_dict()) == sd_names
 
@@ -208,7 +221,7 @@ def test_lora_on_the_device_trains_like_all_cpu(gpu_rule, tmp_path, monkeypatch,
     a, b = expert_lora(dev_model), expert_lora(cpu_model)
     assert a.keys() == b.keys() and a
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-4, msg=k)
+        torch.testing.assert_close(a[k].cpu(), b[k].cpu(), rtol=0, atol=1e-4, msg=k)
 
 
 def test_lora_gradients_return_for_the_cpu_experts_rows_only(gpu_rule, monkeypatch):
@@ -368,7 +381,7 @@ def test_pick_resident_ids():
     assert pick_resident_ids(8, None, 3, pop) == (1, 3, 4)  # the most routed; ties: lower id
 
 
-def test_checkpoint_holds_every_expert(gpu_rule, tmp_path):
+def test_checkpoint_holds_every_expert(cpu_home_rule, tmp_path):
     """The fused expert-LoRA file of a run with resident experts holds all experts of every layer
     and reads back into an all-CPU model unchanged."""
     from kt_ft.checkpoint.fused import (
@@ -378,7 +391,7 @@ def test_checkpoint_holds_every_expert(gpu_rule, tmp_path):
         save_fused_expert_lora,
     )
 
-    model = build(gpu_rule)
+    model = build(cpu_home_rule)
     train(model, batches(), 2, False)
     save_fused_expert_lora(model, tmp_path)
     header = fused_header(tmp_path / FUSED_FILE)
@@ -386,8 +399,8 @@ def test_checkpoint_holds_every_expert(gpu_rule, tmp_path):
     other = build(resolve_rule_path("qwen3_moe-torch"), seed=3)
     assert load_fused_expert_lora(other, tmp_path) == 2
     a, b = expert_lora(model), expert_lora(other)
-    for k in a:  # the training-dtype master copy: exact
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+    for k in a:  # the training-dtype master copy: exact (the LoRA is homed on the GPU where one is present)
+        torch.testing.assert_close(b[k].cpu(), a[k].cpu(), rtol=0, atol=0, msg=k)
 
 
 def test_resume_under_another_placement(gpu_rule):
