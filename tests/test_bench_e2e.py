@@ -268,3 +268,20 @@ def test_rounds_alternate_the_order_and_pair_each_run_with_its_rounds_peft(tmp_p
     assert "3,600 tok/s (2,700-6,300, 3 runs), 0.72x peft's median" in out, out
     with pytest.raises(ValueError, match="--e2e-rounds 0"):
         e2e.run_e2e(preset="tiny", layers=None, systems=systems, workdir=tmp_path, threads=1, rounds=0)
+
+
+def test_monitor_reads_memory_and_utilization_from_nvidia_smi_lines():
+    """``nvidia-smi --query-gpu=memory.used,utilization.gpu`` lines: the peak in bytes, the mean
+    utilization over the samples taken while training (a line it cannot read is skipped)."""
+    from types import SimpleNamespace
+
+    from kt_ft.bench.e2e import Monitor
+
+    mon = Monitor(None)
+    mon._smi = SimpleNamespace(stdout=iter(["1000, 5\n"]))
+    mon._read_smi()  # before training: counts for the peak, not for the utilization
+    assert mon.gpu_peak == 1000 * 2**20 and mon.gpu_util is None
+    mon.training = True
+    mon._smi = SimpleNamespace(stdout=iter(["1500, 50\n", "[N/A], 7\n", "1200, 100\n"]))
+    mon._read_smi()
+    assert mon.gpu_peak == 1500 * 2**20 and mon.gpu_util == 75.0

@@ -165,7 +165,9 @@ def test_resident_experts_train_like_all_cpu(cpu_home_rule, gc):
     first = [_first_grads(m, gc) for m in (cpu_model, res_model)]
     assert first[0].keys() == first[1].keys() and any("experts.up_a" in n for n in first[0])
     for n, g in first[0].items():
-        torch.testing.assert_close(first[1][n], g, rtol=0, atol=2e-6 * g.abs().max().item(), msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(
+            first[1][n], g, rtol=0, atol=2e-6 * g.abs().max().item(), msg=lambda m, n=n: f"{n}: {m}"
+        )
     for m in (cpu_model, res_model):
         m.zero_grad(set_to_none=True)
     ref = train(cpu_model, batches(), 4, gc)

@@ -363,7 +363,9 @@ TRAIN_START = "***** Running training *****"
 
 class Monitor:
     """Polls the device memory the driver reports (``nvidia-smi``, GPU ``gpu_index``) and host used
-    memory while a run lasts; keeps the peaks (bytes). With ``log_path``, the host peak is also
+    memory while a run lasts; keeps the peaks (bytes), and the GPU's mean utilization (the driver's
+    share of time a kernel ran) once training started (``gpu_util``: near 100 a run waits on the
+    GPU, well under it on the host). With ``log_path``, the host peak is also
     kept for the time before ``TRAIN_START`` appears in that log (``host_peak_load``: loading and
     preparing the model, where a second copy of weights would show) and a timeline of host used
     memory, one sample a second, goes to ``timeline_path`` (CSV: seconds, GiB, phase)."""
@@ -381,6 +383,7 @@ class Monitor:
         self.host_peak = 0
         self.host_peak_load = 0
         self.training = False
+        self._util: list[int] = []  # utilization.gpu samples (percent) while training
         self._log_offset = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -391,7 +394,7 @@ class Monitor:
         if self.gpu_index is not None and shutil.which("nvidia-smi"):
             ms = str(max(50, int(self.interval_s * 1000)))
             self._smi = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                ["nvidia-smi", "--query-gpu=memory.used,utilization.gpu", "--format=csv,noheader,nounits",
                  "-i", self.gpu_index, "-lms", ms],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
             )  # fmt: skip
@@ -440,10 +443,18 @@ class Monitor:
         assert self._smi is not None and self._smi.stdout is not None
         for line in self._smi.stdout:
             try:
-                used = int(line.strip()) * 2**20  # MiB
+                mib, util = (int(v) for v in line.strip().split(","))
             except ValueError:
                 continue
+            used = mib * 2**20
             self.gpu_peak = used if self.gpu_peak is None else max(self.gpu_peak, used)
+            if self.training:
+                self._util.append(util)
+
+    @property
+    def gpu_util(self) -> float | None:
+        """Mean GPU utilization (percent) over the samples taken while training, or None."""
+        return sum(self._util) / len(self._util) if self._util else None
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -488,6 +499,7 @@ class E2ERecord:
     host_step_ms: float | None = None
     host_main_ms: float | None = None
     host_line: str = ""
+    gpu_util: float | None = None  # mean GPU utilization while training, percent (``Monitor``)
 
     @property
     def measured_micro_s(self) -> float | None:
@@ -605,6 +617,7 @@ def run_system(
         first_loss=rows[0].get("loss") if rows else None,
         losses=[r["loss"] for r in rows],
         gpu_peak_bytes=mon.gpu_peak,
+        gpu_util=mon.gpu_util,
         host_peak_bytes=mon.host_peak,
         host_rise_bytes=max(0, mon.host_peak - idle),
         host_peak_load_bytes=mon.host_peak_load if mon.training else 0,
@@ -745,9 +758,10 @@ def _one_line(r: E2ERecord) -> str:
     gpu = f", GPU peak {r.gpu_peak_bytes / GIB:.1f} GiB" if r.gpu_peak_bytes else ""
     load = f" (before training {r.host_peak_load_bytes / GIB:.1f})" if r.host_peak_load_bytes else ""
     op = f", CPU op {r.cpu_op_micro_s * 1e3:.0f} ms a micro-batch" if r.cpu_op_micro_s else ""
+    util = f", GPU busy {r.gpu_util:.0f}%" if r.gpu_util is not None else ""
     host = f"; {r.host_line}" if r.host_line else ""
     return (
-        f"rc {r.rc}, {tok}{gpu}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}{op}, {r.seconds:.0f} s "
+        f"rc {r.rc}, {tok}{gpu}{util}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}{op}, {r.seconds:.0f} s "
         f"{r.note}{host}"
     )
 
@@ -814,7 +828,7 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
     head = f"{'system':<20}" + (f"{'round':>6}" if rounds > 1 else "")
     head += f"{'tok/s':>9}{'x peft':>8}{'last half':>10}{'GPU peak':>10}{'x peft':>8}"
     head += f"{'host peak':>11}{'host rise':>11}"
-    head += f"{'ms/micro':>10}{'predicted':>11}{'host main':>10}{'loss 1':>9}"
+    head += f"{'ms/micro':>10}{'predicted':>11}{'host main':>10}{'GPU busy':>9}{'loss 1':>9}"
     print(head)
     for r in records:
         base = base_of(r)
@@ -832,10 +846,11 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
         loss = f"{r.first_loss:.4f}" if r.first_loss is not None else "-"
         # the main thread's CPU ms a step over the step's wall ms (``host_time.py``)
         hm = f"{r.host_main_ms / r.host_step_ms:.0%}" if r.host_main_ms and r.host_step_ms else "-"
+        busy = f"{r.gpu_util:.0f}%" if r.gpu_util is not None else "-"
         rnd = f"{r.round:>6}" if rounds > 1 else ""
         print(
             f"{r.system:<20}{rnd}{tok:>9}{xs:>8}{half:>10}{gpu:>10}{xg:>8}{r.host_peak_bytes / GIB:>10.1f}G"
-            f"{r.host_rise_bytes / GIB:>10.1f}G{meas:>10}{pred:>11}{hm:>10}{loss:>9}"
+            f"{r.host_rise_bytes / GIB:>10.1f}G{meas:>10}{pred:>11}{hm:>10}{busy:>9}{loss:>9}"
             + (f"  {r.note}" if r.note else "")
         )
     if rounds > 1:
