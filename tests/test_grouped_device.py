@@ -249,3 +249,23 @@ def test_wide_layout_holds_the_base_weights_and_the_lora_blocks():
     res.to_device(torch.device("cpu"))
     plain = 3 * H * I * 4 * E
     assert res.nbytes() == plain + E * wide_extra_bytes(H, I, r, 4) == res.weights.wide.nbytes()
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+@pytest.mark.parametrize("n", [6, 128, 129, 40000])
+def test_sort_by_id_is_the_stable_argsort_of_the_ids(device, n):
+    """Keys narrowed to int8 / int16 (n <= 128 / 32,768) sort like the int64 ids, -1 (not on the
+    device) first, ties in their original order."""
+    from kt_ft.kernels.grouped_device import sort_by_id
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randint(-1, n, (16384,), generator=gen).to(device)
+    torch.testing.assert_close(sort_by_id(flat, n), torch.argsort(flat, stable=True), rtol=0, atol=0)

@@ -67,6 +67,16 @@ class Groups:
         return self._row_expert
 
 
+def sort_by_id(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """[N] int64: the stable order that sorts ``flat`` [N] (integer ids in -1..n-1) by id.
+
+    The keys are narrowed to the smallest integer type that holds the range first: a GPU radix
+    sort takes one pass per key byte, so int64 ids cost 8 passes (and their kernels, inside every
+    CUDA graph of ``moe/graphed.py``) where up to 128 experts need 1 and up to 32,768 need 2."""
+    dt = torch.int8 if n <= 128 else torch.int16 if n <= 32768 else flat.dtype
+    return torch.argsort(flat.to(dt), stable=True)
+
+
 def _grouped_enabled() -> bool:
     return enabled("KT_FT_GROUPED_DEVICE")
 
@@ -266,12 +276,14 @@ def weight_tensors(base: ExpertWeights) -> tuple[torch.Tensor, ...]:
     return base.wide.tensors() if base.wide is not None else (base.gate_up, base.down)
 
 
-def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast, out_dtype=None):
+def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast, out_dtype=None, load_lora=True):
     """``FusedGroupedExperts``'s forward as a plain function (no autograd; also what a CUDA graph of
     the layer captures, ``moe/graphed.py``): -> (out [T, H], the saved tensors, meta). Arguments as
     ``FusedGroupedExperts.apply``'s, ``lora`` the six LoRA tensors. ``out_dtype``: the output's dtype
     when every pair of the call is here (the weights' dtype saves the backward its fp32 passes:
-    the output's gradient then comes in that dtype); else, and by default, the accum dtype."""
+    the output's gradient then comes in that dtype); else, and by default, the accum dtype.
+    ``load_lora=False``: the wide layout's LoRA blocks already hold ``lora`` (the caller wrote them:
+    ``graphed.py`` does once per change, outside its graphs)."""
     ga, gb, ua, ub, da, db = lora
     dt = base.gate_up.dtype
     acc = accum_dtype(dt)
@@ -279,7 +291,7 @@ def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast, out_dt
     inter = base.intermediate
     tok = torch.div(pairs, k, rounding_mode="floor")
     if base.wide is not None:
-        return _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype)
+        return _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, load_lora)
     # [G, 2r, H] ([Ag; Au]), [G, 2I, 2r] (Bg, Bu in the gate / up rows, zeros elsewhere), Ad, Bd; dt
     a_gu, b_gu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)
     xs = x.to(dt).index_select(0, tok)  # [N, H]
@@ -338,7 +350,7 @@ def _combine(d, w, pairs, tok, x_shape, acc, out_dtype):
     return ws, out
 
 
-def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype):
+def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, load_lora=True):
     """``fused_forward`` on weights in the wide layout (``grouped_wide.py``): the LoRA B products
     folded into the base ones. Saved: (xw [N, H + 2r] = [xs | pa], gu [N, 2I], hw [N, I + r] =
     [h | pd], d [N, H], ws, tok, pairs) and the two buffers."""
@@ -346,7 +358,8 @@ def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype):
     spec, inter, hid, r = base.spec, wide.inter, wide.hidden, wide.rank
     dt = wide.gu_buf.dtype
     acc = accum_dtype(dt)
-    wide.load_lora(*lora, scaling)
+    if load_lora:
+        wide.load_lora(*lora, scaling)
     n = pairs.numel()
     # x with 2r zero columns, gathered per pair: the pa columns are then filled in place
     xw = torch.cat([x.to(dt), x.new_zeros(x.shape[0], 2 * r, dtype=dt)], 1).index_select(0, tok)

@@ -30,7 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.base import ExpertWeights, LoraTensors, accum_dtype, lora_key
-from ..kernels.grouped_device import FusedGroupedExperts, Groups, grouped_expert_forward, stack_lora
+from ..kernels.grouped_device import (
+    FusedGroupedExperts,
+    Groups,
+    grouped_expert_forward,
+    sort_by_id,
+    stack_lora,
+)
 from .function import prefetch_grad_out
 from .graphed import LayerGraphs
 from .inner_graph import inner_grads, take_inner
@@ -222,7 +228,7 @@ class DeviceExperts:
         """(order [T*k]: flat pair indices sorted by device index, the others (-1) first; the
         placements with pairs, in that order)."""
         flat = local.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        order = sort_by_id(flat, len(self.ids))
         counts_dev = count_ids(flat + 1, len(self.ids) + 1)  # [pairs elsewhere, e0, e1, ...]
         r, n = self.num_resident, len(self.ids)
         spans = [(lambda: self.resident.weights, 0, r)] if r else []

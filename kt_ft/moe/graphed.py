@@ -40,12 +40,14 @@ import weakref
 
 import torch
 
+from ..kernels.base import lora_key
 from ..kernels.grouped_device import (
     FusedMeta,
     Groups,
     _refused,
     fused_backward,
     fused_forward,
+    sort_by_id,
     stack_lora,
     weight_tensors,
 )
@@ -236,6 +238,7 @@ class LayerGraphs:
         self.off: str | None = None  # why this layer stopped using graphs
         self.captures = self.replays = 0  # (tests count them)
         self._ptrs: tuple | None = None
+        self._lora_loaded: tuple | None = None  # the LoRA values the wide buffers hold (``_load_lora``)
         self._checked = False  # the layer's fixed conditions (``_layer_fits``) hold
 
     # -- when ---------------------------------------------------------------------------------
@@ -300,6 +303,7 @@ class LayerGraphs:
             ws = cap.ws if cap is not None else self._workspace(tb, x, local, weights, lora)
             if not ws.keep_saved or saved_tensor_hooks_active():
                 return None
+        self._load_lora(lora)
         if key not in self.graphs:
             buckets = {kk[1] for kk in self.graphs if kk[0] != "backward"}
             if tb not in buckets and len(buckets) >= MAX_BUCKETS:
@@ -318,6 +322,18 @@ class LayerGraphs:
         if grad:
             return _GraphedExperts.apply(x, local, weights, *lora, (self, key))
         return self._replay_forward(key, x, local, weights, None)
+
+    def _load_lora(self, lora) -> None:
+        """Write the LoRA into the wide layout's buffers when its values changed since the last
+        write (``lora_key``: once an optimizer step), outside the graphs: written inside, it cost
+        every forward replay ~9 strided copies (graph nodes: the launch's host time grows with them)."""
+        wide = self.dev.resident.weights.wide
+        if wide is None:
+            return
+        key = lora_key(lora)
+        if key != self._lora_loaded:
+            wide.load_lora(*lora, self.scaling)
+            self._lora_loaded = key
 
     def forward_pending(self, key, tokens: int) -> _Pending:
         cap = self.graphs[key]
@@ -349,7 +365,7 @@ class LayerGraphs:
         """-> (out [T, H] x's dtype, counts [E], fused_forward's saved tensors, its meta)."""
         dev = self.dev
         flat = local.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        order = sort_by_id(flat, len(dev.ids))
         counts = torch.zeros(len(dev.ids), dtype=torch.long, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat)
         )
@@ -359,8 +375,9 @@ class LayerGraphs:
             return stack_lora(*t, dev.dtype, dev.spec)
 
         out, saved, meta = fused_forward(
-            x, weights, lora, dev.resident.weights, self.scaling, groups, order, k, cast, x.dtype
-        )
+            x, weights, lora, dev.resident.weights, self.scaling, groups, order, k, cast, x.dtype,
+            load_lora=False,  # ``_load_lora`` wrote it before
+        )  # fmt: skip
         return out.to(x.dtype), counts, saved[: meta.n_saved], meta
 
     def _room(self, x, nbytes: int) -> bool:
