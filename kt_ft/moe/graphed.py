@@ -330,7 +330,7 @@ class LayerGraphs:
         wide = self.dev.resident.weights.wide
         if wide is None:
             return
-        key = lora_key(lora)
+        key = (wide.gu_buf.data_ptr(), *lora_key(lora))  # new buffers start with zero LoRA blocks
         if key != self._lora_loaded:
             wide.load_lora(*lora, self.scaling)
             self._lora_loaded = key
