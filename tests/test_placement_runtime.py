@@ -117,6 +117,19 @@ def test_replanner_checks_every_n_steps_and_threshold(tmp_path):
     assert rp.step(4) and calls == [pytest.approx(0.5 * (0.775 + 0.025 + 6 * 0.125))]
 
 
+@pytest.mark.parametrize("n_resident", [3, 16])
+def test_routing_is_counted_only_where_a_replan_can_move_experts(tmp_path, n_resident):
+    """Room for 3 experts: some stay on the CPU, so the layers count their routing for re-plans;
+    room for all 16 (2 layers x 8): every expert resident, nothing a re-plan could move, no counts
+    (their kernels are host time a step pays)."""
+    model, ctx, _ = auto_model(tmp_path, n_resident)
+    layers = kt_layers(model)
+    everything = all(m.resident is not None and len(m.resident.ids) == m.num_experts for m in layers)
+    assert everything == (n_resident == 16)
+    Replanner(ctx, every=2, threshold=0.5)
+    assert [m.count_routing for m in layers] == [not everything] * len(layers)
+
+
 def test_replanner_is_idle_without_gpu_rates(tmp_path):
     model, ctx, _ = auto_model(tmp_path, 3)
     ctx.rates = Rates(cpu_flops=1e9)

@@ -277,9 +277,17 @@ class Replanner:
         self._cpu_mark: tuple[float, int, float] | None = None
         # without link / GPU rates every expert stays on the CPU whatever the counts: count nothing
         self.active = ctx.rates.has_gpu
+        self._update_counting()
+
+    def _update_counting(self) -> None:
+        """Keep routing counts only where a re-plan reads them (4 kernels a layer and pass, host
+        time a host-bound step pays): re-planning active, and some auto layer with experts not
+        resident -- with every expert of every auto layer resident no re-plan can move one."""
+        movable = any(
+            m.resident is None or len(m.resident.ids) < m.num_experts for m in self.modules.values()
+        )
         for m in self.modules.values():
-            # only re-planning reads the counts: none kept (3 kernels a layer and pass) without it
-            m.count_routing = self.active and every > 0
+            m.count_routing = self.active and self.every > 0 and movable
 
     def _modules(self) -> dict[int, torch.nn.Module]:
 
@@ -484,6 +492,8 @@ class Replanner:
             m.set_placement(resident, streamed)
             self._applied[e.layer] = specs[e.layer]
             changed += 1
+        if changed:
+            self._update_counting()
         return changed
 
     def _mixed_layers(self) -> int:
