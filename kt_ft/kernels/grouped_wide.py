@@ -27,8 +27,9 @@ reads each buffer's top rows ([W | s B]), the backward its left columns ([W; A])
 
 So a forward has 4 grouped products instead of 6 and a backward 8 instead of 10 (4 of them the
 LoRA's weight gradients), none followed by a [pairs, H]- or [pairs, 2I]-sized add. The LoRA part of the buffers is rewritten from the
-parameters at every forward (``load_lora``: ~1% of the weights' bytes), so it always holds the
-values the step's forward and backward read. The buffer's zero corner is never read.
+parameters at every forward (``load_lora``: ~1% of the weights' bytes; a layer replaying CUDA
+graphs does it before a forward whose LoRA changed, outside the graphs: ``moe/graphed.py``), so it
+always holds the values the step's forward and backward read. The buffer's zero corner is never read.
 """
 
 from __future__ import annotations
