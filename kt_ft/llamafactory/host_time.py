@@ -22,7 +22,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ..log import get_logger
-from ..settings import get
+from ..settings import enabled, get
 
 logger = get_logger(__name__)
 LINE_PREFIX = "host time a step"  # the e2e benchmark reads the line (``bench/e2e.py``)
@@ -108,7 +108,7 @@ class HostTime(TrainerCallback):
 
 def host_time_from_env() -> HostTime | None:
     """The callback ``KT_FT_HOST_TIME`` asks for, or None."""
-    if get("KT_FT_HOST_TIME") in (None, "", "0"):
+    if not enabled("KT_FT_HOST_TIME"):
         return None
     skip = int(get("KT_FT_PROFILE_STEP")) if get("KT_FT_PROFILE") else None
     return HostTime(skip_step=skip)
