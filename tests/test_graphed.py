@@ -247,3 +247,51 @@ def test_layers_on_the_cpu_device_run_eagerly(tmp_path, monkeypatch):
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(m.device_experts.graphs is not None for m in kt_layers(model))
     assert all(m.device_experts.graphs.captures == 0 for m in kt_layers(model))
+
+
+def test_a_graphed_layer_writes_the_wide_lora_blocks_once_per_change(monkeypatch):
+    """``LayerGraphs._load_lora`` (outside the graphs, so it runs on the CPU too): the first call
+    writes the LoRA into the wide buffers; calls with unchanged parameters write nothing; an
+    optimizer step (``lora_changed``), an in-place change of a parameter, or a new copy of the
+    buffers (zero LoRA blocks) writes again -- always the parameters' current values."""
+    from types import SimpleNamespace
+
+    from moe_inputs import make_problem
+
+    from kt_ft.kernels import grouped_device as gd
+    from kt_ft.kernels.base import lora_changed
+    from kt_ft.kernels.grouped_wide import WideExperts
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    E, H, I, r = 3, 32, 16, 8
+    base, lora, *_ = make_problem(4, E, 2, H, I, r, torch.float32, gen)
+    lora = [t.clone() for t in lora]
+    wide = WideExperts.from_weights(base.gate_up, base.down, r, base.spec, "cpu")
+    dev = SimpleNamespace(resident=SimpleNamespace(weights=SimpleNamespace(wide=wide)))
+    lg = graphed.LayerGraphs(dev, scaling=2.0)
+    writes = []
+    orig = WideExperts.load_lora
+    monkeypatch.setattr(WideExperts, "load_lora", lambda self, *a: writes.append(1) or orig(self, *a))
+
+    def holds_lora(w):
+        a_gu, b_gu, ad, bd = gd.stack_lora(*lora, torch.float32, base.spec)
+        return torch.equal(w.a_gu, a_gu) and torch.equal(w.b_gu, b_gu * 2.0) and torch.equal(w.b_d, bd * 2.0)
+
+    lg._load_lora(lora)
+    lg._load_lora(lora)  # a recompute, the next micro-batch: nothing changed
+    assert len(writes) == 1 and holds_lora(wide)
+    with torch.no_grad():  # the optimizer's step: in place, then its post-step hook
+        lora[1].add_(0.5)
+    lora_changed()
+    lg._load_lora(lora)
+    assert len(writes) == 2 and holds_lora(wide)
+    with torch.no_grad():  # in place outside any optimizer: the version counter tells
+        lora[5].mul_(3.0)
+    lg._load_lora(lora)
+    assert len(writes) == 3 and holds_lora(wide)
+    fresh = WideExperts.from_weights(base.gate_up, base.down, r, base.spec, "cpu")
+    dev.resident.weights.wide = fresh  # the resident experts copied again: zero LoRA blocks
+    lg._load_lora(lora)
+    assert len(writes) == 4 and holds_lora(fresh)
