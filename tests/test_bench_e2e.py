@@ -289,3 +289,29 @@ def test_monitor_reads_memory_and_utilization_from_nvidia_smi_lines():
     mon._smi = SimpleNamespace(stdout=iter(["1500, 50\n", "[N/A], 7\n", "1200, 100\n"]))
     mon._read_smi()
     assert mon.gpu_peak == 1500 * 2**20 and mon.gpu_util == 75.0
+
+
+def test_link_bound_from_a_streaming_runs_log(capsys):
+    """The run summary's streamed bytes over the run's steps at the planned link rate: the tokens/s
+    no schedule of that split beats (a Qwen3-30B-A3B run at 24 GiB: 434.67 GiB in 5 steps at
+    54.7 GB/s, 8,192 tokens a step); none where nothing streamed or no rate was logged."""
+    from kt_ft.bench.e2e import link_bound
+
+    log = (
+        "    link 54.7 GB/s [cached (/root/.cache/kt-ft/rates.json)]\n"
+        "  predicted step 499.590 ms, 4,099 tokens/s: busy CPU 0.000 ms, link 425.976 ms, GPU 147.228 ms\n"
+        "[kt-ft|INFO] run summary: streamed 434.67 GiB in 402 copies (80.4 a step; forward 12, prefetch 390), ...\n"
+    )
+    per_step_s = 434.67 * 2**30 / 5 / 54.7e9
+    assert link_bound(log, 5, 8192) == pytest.approx(8192 / per_step_s)
+    assert 4_700 < link_bound(log, 5, 8192) < 4_900
+    mib = log.replace("434.67 GiB", "512.00 MiB")
+    assert link_bound(mib, 5, 8192) == pytest.approx(8192 / (512 * 2**20 / 5 / 54.7e9))
+    assert link_bound(log.replace("run summary: streamed", "run summary: GPU allocator"), 5, 8192) is None
+    assert link_bound(log.replace("GB/s", "GiB"), 5, 8192) is None
+    assert link_bound(log, 0, 8192) is None
+    from kt_ft.bench import e2e
+
+    run = e2e.E2ERecord("kt-auto@24", "qwen3-30b-a3b", 24, 0, 70.0, tok_s=4_329.0, link_bound_tok_s=4_800.0)
+    e2e.print_table([run], 2048, 4)
+    assert "kt-auto@24                     4,800 tok/s, 90% reached" in capsys.readouterr().out

@@ -500,6 +500,8 @@ class E2ERecord:
     host_main_ms: float | None = None
     host_line: str = ""
     gpu_util: float | None = None  # mean GPU utilization while training, percent (``Monitor``)
+    # a run that streamed experts: the tokens/s its link allows at most (``link_bound``)
+    link_bound_tok_s: float | None = None
 
     @property
     def measured_micro_s(self) -> float | None:
@@ -549,7 +551,23 @@ def last_half_rate(rows: list[dict], skip_step: int | None = None) -> float | No
 
 _PREDICTED = re.compile(r"predicted step ([0-9.]+) ms")
 _CPU_OP = re.compile(r"CPU op busy ([0-9.]+) s in")
+_STREAMED = re.compile(r"run summary: streamed ([0-9.]+) (GiB|MiB) in")
+_LINK = re.compile(r"\blink ([0-9.]+) GB/s")
 _HOST = re.compile(r"(host time a step .*?: wall ([0-9]+) ms; CPU busy: main thread ([0-9]+) ms.*)$", re.M)
+
+
+def link_bound(text: str, steps: int, tokens_per_step: float | None) -> float | None:
+    """The tokens/s a run that streamed experts cannot beat: its bytes streamed a step (the run
+    summary's total over its ``steps`` optimizer steps) at the host -> GPU rate it planned with (the
+    log's ``link ... GB/s``), every other cost hidden under the copies. None where nothing streamed."""
+    streamed, link = _STREAMED.findall(text), _LINK.findall(text)
+    if not streamed or not link or not steps or not tokens_per_step:
+        return None
+    value, unit = streamed[-1]
+    per_step = float(value) * (2**30 if unit == "GiB" else 2**20) / steps
+    if per_step <= 0:
+        return None
+    return tokens_per_step / (per_step / (float(link[-1]) * 1e9))
 
 
 def llamafactory_cli() -> str:
@@ -626,6 +644,7 @@ def run_system(
         cap_gib=system.cap_gib,
         grad_accum=grad_accum,
     )
+    rec.link_bound_tok_s = link_bound(text, len(rows), per_step)
     if host:
         rec.host_line, wall, main = host[-1]
         rec.host_step_ms, rec.host_main_ms = float(wall), float(main)
@@ -759,6 +778,9 @@ def _one_line(r: E2ERecord) -> str:
     load = f" (before training {r.host_peak_load_bytes / GIB:.1f})" if r.host_peak_load_bytes else ""
     op = f", CPU op {r.cpu_op_micro_s * 1e3:.0f} ms a micro-batch" if r.cpu_op_micro_s else ""
     util = f", GPU busy {r.gpu_util:.0f}%" if r.gpu_util is not None else ""
+    if r.link_bound_tok_s:
+        reached = f", {r.tok_s / r.link_bound_tok_s:.0%} of it" if r.tok_s else ""
+        util += f", link bound {r.link_bound_tok_s:,.0f} tok/s{reached}"
     host = f"; {r.host_line}" if r.host_line else ""
     return (
         f"rc {r.rc}, {tok}{gpu}{util}, host peak {r.host_peak_bytes / GIB:.1f} GiB{load}{op}, {r.seconds:.0f} s "
@@ -853,6 +875,12 @@ def print_table(records: list[E2ERecord], cutoff_len: int, grad_accum: int) -> N
             f"{r.host_rise_bytes / GIB:>10.1f}G{meas:>10}{pred:>11}{hm:>10}{busy:>9}{loss:>9}"
             + (f"  {r.note}" if r.note else "")
         )
+    bound = [r for r in records if r.link_bound_tok_s]
+    if bound:
+        print("link bounds (a run's bytes streamed a step at its planned host -> GPU rate):")
+        for r in bound:
+            reached = f", {r.tok_s / r.link_bound_tok_s:.0%} reached" if r.tok_s else ""
+            print(f"  {r.system:<30} {r.link_bound_tok_s:,.0f} tok/s{reached}")
     if rounds > 1:
         print(median_summary(records))
     agree = loss_agreement(records)
