@@ -184,8 +184,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
         # too); the backward applies the incoming gradient in float32
         grad_h = torch.empty(hidden.shape, dtype=weight.dtype, device=hidden.device) if need else None
         inv = 1.0 / divisor if not torch.is_tensor(divisor) else divisor.float().reciprocal()
-        counted = targets != IGNORE_INDEX
-        if need:
+        if need:  # (the loss itself skips ignored rows through nll_loss's ignore_index)
+            counted = targets != IGNORE_INDEX
             safe = torch.where(counted, targets, 0)[:, None]  # [N, 1]: the target's column, 0 if not counted
             scale = (counted.float() * inv)[:, None]  # [N, 1]: 1 / divisor on counted rows, else 0
             minus_one = torch.full((min(rows, n), 1), -1.0, device=hidden.device)
