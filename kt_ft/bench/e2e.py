@@ -64,6 +64,7 @@ import yaml
 
 from .. import settings
 from ..demo import train_tokenizer
+from ..llamafactory.host_time import LINE_PREFIX as HOST_LINE
 from ..models import family_of
 from .models import MODEL_CONFIGS, build_model_dir
 from .vl_assets import TEMPLATE as VL_TEMPLATE
@@ -553,7 +554,9 @@ _PREDICTED = re.compile(r"predicted step ([0-9.]+) ms")
 _CPU_OP = re.compile(r"CPU op busy ([0-9.]+) s in")
 _STREAMED = re.compile(r"run summary: streamed ([0-9.]+) (GiB|MiB) in")
 _LINK = re.compile(r"\blink ([0-9.]+) GB/s")
-_HOST = re.compile(r"(host time a step .*?: wall ([0-9]+) ms; CPU busy: main thread ([0-9]+) ms.*)$", re.M)
+_HOST = re.compile(
+    rf"({re.escape(HOST_LINE)} .*?: wall ([0-9]+) ms; CPU busy: main thread ([0-9]+) ms.*)$", re.M
+)
 
 
 def link_bound(text: str, steps: int, tokens_per_step: float | None) -> float | None:

@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 
 from ..log import get_logger
 from ..settings import enabled, get
+from .profile import PROFILE_ENV, STEP_ENV
 
 logger = get_logger(__name__)
 LINE_PREFIX = "host time a step"  # the e2e benchmark reads the line (``bench/e2e.py``)
@@ -110,5 +111,5 @@ def host_time_from_env() -> HostTime | None:
     """The callback ``KT_FT_HOST_TIME`` asks for, or None."""
     if not enabled("KT_FT_HOST_TIME"):
         return None
-    skip = int(get("KT_FT_PROFILE_STEP")) if get("KT_FT_PROFILE") else None
+    skip = int(get(STEP_ENV)) if get(PROFILE_ENV) else None
     return HostTime(skip_step=skip)
