@@ -401,6 +401,42 @@ def test_gated_act_backward_matches_autograd(activation):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu", "gpt_oss_clamped"])
+def test_gated_act_into_strided_columns_matches_the_plain_functions(activation):
+    """``gated_act_into`` / ``gated_act_backward_into`` (what the fused device share runs: g, u the
+    interleaved columns of one buffer, the results written into column blocks of wider ones) ==
+    ``gated_act`` / ``gated_act_backward`` on contiguous copies (float64, rtol 1e-12); the columns
+    beside the written blocks stay untouched."""
+    from kt_ft.kernels.activation import (
+        gated_act,
+        gated_act_backward,
+        gated_act_backward_into,
+        gated_act_into,
+    )
+
+    gen = torch.Generator().manual_seed(11)
+    print("seed 11")
+    n, i = 13, 6
+    gu = torch.randn(n, 2 * i, dtype=torch.float64, generator=gen) * 3
+    dh = torch.randn(n, i, dtype=torch.float64, generator=gen)
+    spec = (
+        ExpertSpec(activation, alpha=1.702, limit=4.0)
+        if activation == "gpt_oss_clamped"
+        else ExpertSpec(activation)
+    )
+    g, u = gu[:, ::2], gu[:, 1::2]  # strided views, as an interleaved layout gives them
+    hw = torch.full((n, i + 3), 7.0, dtype=torch.float64)
+    gated_act_into(g, u, spec, hw[:, :i])
+    torch.testing.assert_close(hw[:, :i], gated_act(g.contiguous(), u.contiguous(), spec), rtol=1e-12, atol=0)
+    assert (hw[:, i:] == 7.0).all()
+    dgw = torch.full((n, 2 * i + 2), 7.0, dtype=torch.float64)
+    gated_act_backward_into(dh, g, u, spec, dgw[:, : 2 * i : 2], dgw[:, 1 : 2 * i : 2])
+    want = gated_act_backward(dh, g.contiguous(), u.contiguous(), spec)
+    torch.testing.assert_close(dgw[:, : 2 * i : 2], want[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(dgw[:, 1 : 2 * i : 2], want[1], rtol=1e-12, atol=0)
+    assert (dgw[:, 2 * i :] == 7.0).all()
+
+
 def test_plan_counts_what_the_cpu_op_keeps_for_its_backward(rng):
     """``rules.report.cpu_op_saved_bytes`` against the ``torch`` backend's saved set in fp32 (the
     native backend's dtype) on random routing: never below it, and above it by at most the padding

@@ -24,7 +24,7 @@ import torch
 from ..log import get_logger
 from ..quant.weights import rebuild_quantized
 from ..settings import enabled, positive_number
-from .activation import gated_act, gated_act_backward
+from .activation import gated_act, gated_act_backward_into, gated_act_into
 from .base import ExpertWeights, LoraTensors, accum_dtype
 
 logger = get_logger(__name__)
@@ -369,7 +369,7 @@ def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, l
         gu += base.gate_up_bias.index_select(0, groups.row_expert)
     gs, us = spec.gate_up_cols(inter)
     hw = torch.empty(n, inter + r, dtype=dt, device=x.device)
-    hw[:, :inter] = gated_act(gu[:, gs], gu[:, us], spec)
+    gated_act_into(gu[:, gs], gu[:, us], spec, hw[:, :inter])
     hw[:, inter:] = grouped_mm(hw[:, :inter], _t(wide.a_d), groups)  # pd = h A_d^T [N, r]
     d = grouped_mm(hw, _t(wide.d_rows), groups)  # [N, H] = h W_d^T + s pd B_d^T
     if base.down_bias is not None:
@@ -387,18 +387,24 @@ def _output_grads(grad_out, d, ws, tok, pairs, w_shape, w_dtype, needs_w, gd):
     """The gradient of the rows d [N, H] (written into ``gd``, [N, H] d's dtype, any row stride)
     and of the routing weights ([T, k] ``w_dtype``, or None) from the output's gradient [T, H].
 
-    Every pair of the call here with grad_out in d's dtype: whole, in that dtype (a token's
-    routing-weight gradients are one batched product of its k rows with its gradient; one [N, H]
-    temporary at a time, which ``LayerShape.gpu_act_bytes`` counts). Else a slice of rows at a time: the gathered accum-dtype rows of grad_out exist for one slice only
+    Every pair of the call here with grad_out in d's dtype: whole, in that dtype (a routing
+    weight's gradient is its row's dot with the token's gradient, summed in fp32; one [N, H]
+    temporary, which ``LayerShape.gpu_act_bytes`` counts). Else a slice of rows at a time: the
+    gathered accum-dtype rows of grad_out exist for one slice only
     (whole, they were 3 x [N, H] fp32 at once: ~0.4 GiB a Qwen3-30B-A3B layer at 2,048 tokens,
     which the GPU memory cap's plan does not hold)."""
     if pairs.numel() == w_shape.numel() and grad_out.dtype == d.dtype:
-        torch.mul(grad_out.index_select(0, tok), ws[:, None], out=gd)
+        # one gather of grad_out serves both gradients; the weights in d's dtype keep the product
+        # on the same-dtype kernel (an fp32 broadcast into the strided gd ran at a third of the
+        # speed on an H100), and a row's weight gradient is its dot with d in sorted order, then
+        # scattered to its pair: no gather of d (was d into pair order and a batched product)
+        gos = grad_out.index_select(0, tok)  # [N, H]
+        torch.mul(gos, ws.to(d.dtype)[:, None], out=gd)
         if not needs_w:
             return None
-        k = w_shape[-1]
-        gw = torch.bmm(_by_token(d, pairs, k), grad_out.unsqueeze(-1))  # [T, k, 1]
-        return gw.view(w_shape).to(w_dtype)
+        grad_ws = gos.mul_(d).sum(1, dtype=torch.float32)  # [N]
+        grad_w = torch.empty(w_shape.numel(), dtype=grad_ws.dtype, device=d.device)
+        return grad_w.index_copy_(0, pairs, grad_ws).view(w_shape).to(w_dtype)
     grad_ws = torch.empty(d.shape[0], dtype=grad_out.dtype, device=d.device) if needs_w else None
     for lo_, hi in _row_slices(d.shape[0]):
         gos = grad_out.index_select(0, tok[lo_:hi])  # [n, H] grad_out's dtype
@@ -440,12 +446,10 @@ def _wide_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
     dh = grouped_mm(gdw, wide.d_cols, groups)  # [N, I] = gd W_d + ts A_d
     del gdw, gd, ts
     gs, us = spec.gate_up_cols(inter)
-    dg, du = gated_act_backward(dh, gu[:, gs], gu[:, us], spec)
-    del dh
     dgw = torch.empty(n, 2 * inter + 2 * r, dtype=d.dtype, device=d.device)  # [dgu | dpa]
     dgu = dgw[:, : 2 * inter]
-    dgu[:, gs], dgu[:, us] = dg, du
-    del dg, du
+    gated_act_backward_into(dh, gu[:, gs], gu[:, us], spec, dgu[:, gs], dgu[:, us])
+    del dh
     grad_bgu = grouped_mm_k(dgu.t(), xw[:, hid:], groups).mul_(s)  # [G, 2I, 2r]
     dpa = grouped_mm(dgu, wide.b_gu, groups)  # [N, 2r] = s dgu B_gu
     dgw[:, 2 * inter :] = dpa
@@ -488,11 +492,9 @@ def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
     dh += grouped_mm(ts, ad, groups)
     gs, us = spec.gate_up_cols(inter)
     g, u = gu[:, gs], gu[:, us]
-    dg, du = gated_act_backward(dh, g, u, spec)
-    del dh
     dgu = torch.empty_like(gu)
-    dgu[:, gs], dgu[:, us] = dg, du
-    del dg, du
+    gated_act_backward_into(dh, g, u, spec, dgu[:, gs], dgu[:, us])
+    del dh
     # gate / up LoRA B (the stacked [G, 2I, 2r]: its gate and up blocks), then A ([Ag; Au])
     grad_bgu = grouped_mm_k(dgu.t(), pa, groups).mul_(s)  # [G, 2I, 2r]
     dpa = grouped_mm(dgu, b_gu, groups).mul_(s)  # [N, 2r]
