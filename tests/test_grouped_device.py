@@ -269,3 +269,44 @@ def test_sort_by_id_is_the_stable_argsort_of_the_ids(device, n):
     gen = torch.Generator().manual_seed(seed)
     flat = torch.randint(-1, n, (16384,), generator=gen).to(device)
     torch.testing.assert_close(sort_by_id(flat, n), torch.argsort(flat, stable=True), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_forward_into_given_buffers_equals_new_tensors(dtype):
+    """``fused_forward(..., into=...)`` (what a CUDA graph's capture runs: the wide layout's xw, hw
+    and output written into static buffers) gives bit for bit the output and saved tensors of the
+    call without it, and the saved tuple holds the buffers themselves; the backward from either
+    is the same."""
+    from kt_ft.kernels.grouped_wide import WideExperts
+
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    T, E, k, H, I, r = 10, 4, 2, 32, 16, 8
+    base, lora, x, _, _, _ = make_problem(T, E, k, H, I, r, torch.float32, gen)
+    base = type(base)(base.gate_up.to(dtype), base.down.to(dtype), spec=base.spec)
+    base.wide = WideExperts.from_weights(base.gate_up, base.down, r, base.spec, "cpu")
+    x = x.to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=gen).to(dtype)
+    flat = ids.reshape(-1)
+    order = gd.sort_by_id(flat, E)
+    groups = gd.Groups(torch.bincount(flat, minlength=E), flat.numel())
+    base.wide.load_lora(*lora, 2.0)
+
+    def fwd(into=None):
+        return gd.fused_forward(x, w, tuple(lora), base, 2.0, groups, order, k, None, dtype, False, into)
+
+    out, saved, meta = fwd()
+    bufs = {"xw": torch.full_like(saved[0], float("nan")), "hw": torch.full_like(saved[2], float("nan"))}
+    bufs["out"] = torch.full_like(out, float("nan"))
+    out2, saved2, _ = fwd(bufs)
+    assert out2.data_ptr() == bufs["out"].data_ptr() and torch.equal(out2, out)
+    assert saved2[0] is bufs["xw"] and saved2[2] is bufs["hw"]
+    for a, b in zip(saved, saved2):
+        assert torch.equal(a, b)
+    grad = torch.randn(out.shape, generator=gen).to(out.dtype)
+    for a, b in zip(
+        gd.fused_backward(grad, saved, meta, True, True), gd.fused_backward(grad, saved2, meta, True, True)
+    ):
+        assert torch.equal(a, b)

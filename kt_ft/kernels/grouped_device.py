@@ -276,14 +276,18 @@ def weight_tensors(base: ExpertWeights) -> tuple[torch.Tensor, ...]:
     return base.wide.tensors() if base.wide is not None else (base.gate_up, base.down)
 
 
-def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast, out_dtype=None, load_lora=True):
+def fused_forward(
+    x, w, lora, base, scaling, groups, pairs, k, lora_cast, out_dtype=None, load_lora=True, into=None
+):
     """``FusedGroupedExperts``'s forward as a plain function (no autograd; also what a CUDA graph of
     the layer captures, ``moe/graphed.py``): -> (out [T, H], the saved tensors, meta). Arguments as
     ``FusedGroupedExperts.apply``'s, ``lora`` the six LoRA tensors. ``out_dtype``: the output's dtype
     when every pair of the call is here (the weights' dtype saves the backward its fp32 passes:
     the output's gradient then comes in that dtype); else, and by default, the accum dtype.
     ``load_lora=False``: the wide layout's LoRA blocks already hold ``lora`` (the caller wrote them:
-    ``graphed.py`` does once per change, outside its graphs)."""
+    ``graphed.py`` does once per change, outside its graphs). ``into``: tensors to write results
+    into instead of new ones (the wide layout's ``xw``, ``hw`` and ``out``: a CUDA graph's static
+    buffers, so its replay needs no copy of them); the saved tuple then holds those tensors."""
     ga, gb, ua, ub, da, db = lora
     dt = base.gate_up.dtype
     acc = accum_dtype(dt)
@@ -291,7 +295,9 @@ def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast, out_dt
     inter = base.intermediate
     tok = torch.div(pairs, k, rounding_mode="floor")
     if base.wide is not None:
-        return _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, load_lora)
+        return _wide_forward(
+            x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, load_lora, into or {}
+        )
     # [G, 2r, H] ([Ag; Au]), [G, 2I, 2r] (Bg, Bu in the gate / up rows, zeros elsewhere), Ad, Bd; dt
     a_gu, b_gu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)
     xs = x.to(dt).index_select(0, tok)  # [N, H]
@@ -338,19 +344,20 @@ def fused_forward(x, w, lora, base, scaling, groups, pairs, k, lora_cast, out_dt
     return out, saved, meta
 
 
-def _combine(d, w, pairs, tok, x_shape, acc, out_dtype):
+def _combine(d, w, pairs, tok, x_shape, acc, out_dtype, out=None):
     """-> (ws [N] accum dtype: each row's routing weight, out [T, H]: the rows weighted and summed
-    per token). Every (token, slot) pair of the call here: a gather, no atomics (``combine_all``)."""
+    per token). Every (token, slot) pair of the call here: a gather, no atomics (``combine_all``,
+    written into ``out`` where given)."""
     ws = w.reshape(-1).index_select(0, pairs).to(acc)  # [N]
     if pairs.numel() == w.numel():
-        return ws, combine_all(d, w, pairs, acc, out_dtype)
-    out = torch.zeros(x_shape[0], x_shape[1], dtype=acc, device=d.device)
+        return ws, combine_all(d, w, pairs, acc, out_dtype, out=out)
+    res = torch.zeros(x_shape[0], x_shape[1], dtype=acc, device=d.device)
     for lo_, hi in _row_slices(d.shape[0]):  # the weighted accum-dtype rows one slice at a time
-        out.index_add_(0, tok[lo_:hi], d[lo_:hi] * ws[lo_:hi, None])  # promoted to ws's accum dtype
-    return ws, out
+        res.index_add_(0, tok[lo_:hi], d[lo_:hi] * ws[lo_:hi, None])  # promoted to ws's accum dtype
+    return ws, (res if out is None else out.copy_(res))
 
 
-def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, load_lora=True):
+def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, load_lora=True, into=None):
     """``fused_forward`` on weights in the wide layout (``grouped_wide.py``): the LoRA B products
     folded into the base ones. Saved: (xw [N, H + 2r] = [xs | pa], gu [N, 2I], hw [N, I + r] =
     [h | pd], d [N, H], ws, tok, pairs) and the two buffers."""
@@ -361,20 +368,22 @@ def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, l
     if load_lora:
         wide.load_lora(*lora, scaling)
     n = pairs.numel()
+    into = into or {}
     # x with 2r zero columns, gathered per pair: the pa columns are then filled in place
-    xw = torch.cat([x.to(dt), x.new_zeros(x.shape[0], 2 * r, dtype=dt)], 1).index_select(0, tok)
+    xw = torch.cat([x.to(dt), x.new_zeros(x.shape[0], 2 * r, dtype=dt)], 1)
+    xw = torch.index_select(xw, 0, tok, out=into["xw"]) if "xw" in into else xw.index_select(0, tok)
     xw[:, hid:] = grouped_mm(xw[:, :hid], _t(wide.a_gu), groups)  # pa = xs A_gu^T [N, 2r]
     gu = grouped_mm(xw, _t(wide.gu_rows), groups)  # [N, 2I] = xs W^T + s pa B^T
     if base.gate_up_bias is not None:
         gu += base.gate_up_bias.index_select(0, groups.row_expert)
     gs, us = spec.gate_up_cols(inter)
-    hw = torch.empty(n, inter + r, dtype=dt, device=x.device)
+    hw = into["hw"] if "hw" in into else torch.empty(n, inter + r, dtype=dt, device=x.device)
     gated_act_into(gu[:, gs], gu[:, us], spec, hw[:, :inter])
     hw[:, inter:] = grouped_mm(hw[:, :inter], _t(wide.a_d), groups)  # pd = h A_d^T [N, r]
     d = grouped_mm(hw, _t(wide.d_rows), groups)  # [N, H] = h W_d^T + s pd B_d^T
     if base.down_bias is not None:
         d += base.down_bias.index_select(0, groups.row_expert)
-    ws, out = _combine(d, w, pairs, tok, x.shape, acc, out_dtype)
+    ws, out = _combine(d, w, pairs, tok, x.shape, acc, out_dtype, out=into.get("out"))
     saved = (xw, gu, hw, d, ws, tok, pairs, *wide.tensors())
     meta = FusedMeta(
         spec, inter, scaling, groups, x.shape, x.dtype, w.shape, w.dtype,
@@ -531,20 +540,25 @@ def combine_all(
     pairs: torch.Tensor,
     acc: torch.dtype,
     out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """d [T k, H] (every pair of the call, sorted by expert), w [T, k] -> out [T, H] ``out_dtype``
     (default ``acc``), out[t] = sum_j w[t, j] d[pair (t, j)]: a gather of d into pair order and one
     batched product (fp32 accumulation inside it), where a scatter with float atomics into a zeroed
     [T, H] fp32 output took a [T k, H] fp32 temporary and T k H atomic adds. With w in d's dtype
     the product is d's dtype, rounded once (the MoE block rounds the share to that dtype anyway);
-    else the weighted rows are summed in ``acc``."""
+    else the weighted rows are summed in ``acc``. ``out``: [T, H] to write the result into
+    (``out_dtype``'s; a CUDA graph's static buffer)."""
     t, k = w.shape
     dg = _by_token(d, pairs, k)  # [T, k, H]
+    want = out_dtype or acc
+    if out is not None and w.dtype == d.dtype == want and out.is_contiguous():
+        return torch.bmm(w.reshape(t, 1, k), dg, out=out.view(t, 1, -1)).view(t, -1)
     if w.dtype == d.dtype:
-        out = torch.bmm(w.reshape(t, 1, k), dg).view(t, -1)
+        res = torch.bmm(w.reshape(t, 1, k), dg).view(t, -1)
     else:
-        out = (dg.to(acc) * w.to(acc)[..., None]).sum(1)
-    return out.to(out_dtype or acc)
+        res = (dg.to(acc) * w.to(acc)[..., None]).sum(1)
+    return res.to(want) if out is None else out.copy_(res)
 
 
 BACKWARD_SLICE_ROWS = 4096  # rows of (token, expert) pairs a slice of the backward's fp32 work

@@ -165,6 +165,12 @@ def saved_tensor_hooks_active() -> bool:
     return top(False) is not None
 
 
+def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src), unless src already is dst (written in place through ``into``)."""
+    if src.data_ptr() != dst.data_ptr() or src.shape != dst.shape or src.stride() != dst.stride():
+        dst.copy_(src)
+
+
 class Workspace:
     """Static buffers (inputs, output, the saved tensors, the gradients) and the graph memory pool
     shared by every layer of one signature (device, token count, sizes, dtypes)."""
@@ -361,8 +367,9 @@ class LayerGraphs:
             ws = _workspaces[sig] = Workspace()
         return ws
 
-    def _forward_body(self, x, local, weights, lora, k):
-        """-> (out [T, H] x's dtype, counts [E], fused_forward's saved tensors, its meta)."""
+    def _forward_body(self, x, local, weights, lora, k, into=None):
+        """-> (out [T, H] x's dtype, counts [E], fused_forward's saved tensors, its meta); ``into``:
+        ``fused_forward``'s (the static buffers a capture writes in place)."""
         dev = self.dev
         flat = local.reshape(-1)
         order = sort_by_id(flat, len(dev.ids))
@@ -377,6 +384,7 @@ class LayerGraphs:
         out, saved, meta = fused_forward(
             x, weights, lora, dev.resident.weights, self.scaling, groups, order, k, cast, x.dtype,
             load_lora=False,  # ``_load_lora`` wrote it before
+            into=into,
         )  # fmt: skip
         return out.to(x.dtype), counts, saved[: meta.n_saved], meta
 
@@ -409,14 +417,19 @@ class LayerGraphs:
             s_counts = ws.buffer("counts", counts) if grad else None
             del out, counts, saved
             sx.copy_(x), sl.copy_(local), sw.copy_(weights)
+            # the wide layout writes its output and its two big saved row blocks (xw, hw) straight
+            # into the static buffers: copies of ~90 MB a replay at Qwen3-30B-A3B's 2,048 tokens
+            into = {"out": so}
+            if grad and self.dev.resident.weights.wide is not None:
+                into.update(xw=s_saved[0], hw=s_saved[2])
             g = torch.cuda.CUDAGraph()
             with torch.no_grad(), torch.cuda.graph(g, pool=ws.pool, capture_error_mode="thread_local"):
-                out, counts, saved, meta = self._forward_body(sx, sl, sw, lora, k)
-                so.copy_(out)
+                out, counts, saved, meta = self._forward_body(sx, sl, sw, lora, k, into)
+                _copy_unless_same(so, out)
                 if grad:
                     s_counts.copy_(counts)
                     for dst, src in zip(s_saved, saved):
-                        dst.copy_(src)
+                        _copy_unless_same(dst, src)
                 del out, counts, saved
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self._stop(f"capture failed: {str(e).splitlines()[0][:200]}")
