@@ -303,8 +303,9 @@ def test_wide_forward_into_given_buffers_equals_new_tensors(dtype):
     out2, saved2, _ = fwd(bufs)
     assert out2.data_ptr() == bufs["out"].data_ptr() and torch.equal(out2, out)
     assert saved2[0] is bufs["xw"] and saved2[2] is bufs["hw"]
+    assert saved[3] is None and saved2[3] is None  # every pair here, output in the rows' dtype: no d kept
     for a, b in zip(saved, saved2):
-        assert torch.equal(a, b)
+        assert (a is None and b is None) or torch.equal(a, b)
     grad = torch.randn(out.shape, generator=gen).to(out.dtype)
     for a, b in zip(
         gd.fused_backward(grad, saved, meta, True, True), gd.fused_backward(grad, saved2, meta, True, True)

@@ -384,7 +384,10 @@ def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, l
     if base.down_bias is not None:
         d += base.down_bias.index_select(0, groups.row_expert)
     ws, out = _combine(d, w, pairs, tok, x.shape, acc, out_dtype, out=into.get("out"))
-    saved = (xw, gu, hw, d, ws, tok, pairs, *wide.tensors())
+    # d is left out where the backward can take the routing weights' gradient in h's space
+    # (``_wide_backward``): every pair here, the output (so its gradient) in the rows' dtype, no bias
+    keep_d = n != w.numel() or (out_dtype or acc) != dt or base.down_bias is not None
+    saved = (xw, gu, hw, d if keep_d else None, ws, tok, pairs, *wide.tensors())
     meta = FusedMeta(
         spec, inter, scaling, groups, x.shape, x.dtype, w.shape, w.dtype,
         tuple(t.dtype for t in lora), None, wide, 7,
@@ -444,18 +447,21 @@ def _wide_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
     xw, gu, hw, d, ws, tok, pairs = saved[:7]
     wide, spec, inter, s = meta.wide, meta.spec, meta.inter, meta.scaling
     groups, hid, r = meta.groups, wide.hidden, wide.rank
-    n = d.shape[0]
-    gdw = torch.empty(n, hid + r, dtype=d.dtype, device=d.device)  # [gd | ts]
-    grad_w = _output_grads(grad_out, d, ws, tok, pairs, meta.w_shape, meta.w_dtype, needs_w, gdw[:, :hid])
-    gd = gdw[:, :hid]
-    ts = grouped_mm(gd, wide.b_d, groups)  # [N, r] = s gd B_d
-    gdw[:, hid:] = ts
-    grad_db = grouped_mm_k(gd.t(), hw[:, inter:], groups).mul_(s)  # [G, H, r]
-    grad_da = grouped_mm_k(ts.t(), hw[:, :inter], groups)  # [G, r, I]
-    dh = grouped_mm(gdw, wide.d_cols, groups)  # [N, I] = gd W_d + ts A_d
-    del gdw, gd, ts
+    n, dt = hw.shape[0], hw.dtype
+    if d is None:
+        dh, grad_w, grad_da, grad_db = _down_backward_unweighted(grad_out, hw, ws, tok, pairs, meta, needs_w)
+    else:
+        gdw = torch.empty(n, hid + r, dtype=dt, device=hw.device)  # [gd | ts]
+        grad_w = _output_grads(grad_out, d, ws, tok, pairs, meta.w_shape, meta.w_dtype, needs_w, gdw[:, :hid])
+        gd = gdw[:, :hid]
+        ts = grouped_mm(gd, wide.b_d, groups)  # [N, r] = s gd B_d
+        gdw[:, hid:] = ts
+        grad_db = grouped_mm_k(gd.t(), hw[:, inter:], groups).mul_(s)  # [G, H, r]
+        grad_da = grouped_mm_k(ts.t(), hw[:, :inter], groups)  # [G, r, I]
+        dh = grouped_mm(gdw, wide.d_cols, groups)  # [N, I] = gd W_d + ts A_d
+        del gdw, gd, ts
     gs, us = spec.gate_up_cols(inter)
-    dgw = torch.empty(n, 2 * inter + 2 * r, dtype=d.dtype, device=d.device)  # [dgu | dpa]
+    dgw = torch.empty(n, 2 * inter + 2 * r, dtype=dt, device=hw.device)  # [dgu | dpa]
     dgu = dgw[:, : 2 * inter]
     gated_act_backward_into(dh, gu[:, gs], gu[:, us], spec, dgu[:, gs], dgu[:, us])
     del dh
@@ -468,6 +474,36 @@ def _wide_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: boo
         dxs = grouped_mm(dgw, wide.gu_cols, groups)  # [N, H] = dgu W_gu + dpa A_gu
         grad_x = _input_grad(dxs, grad_out, tok, pairs, meta.x_shape, meta.x_dtype, meta.w_shape)
     return (grad_x, grad_w, *_lora_grads(grad_agu, grad_bgu, grad_da, grad_db, gs, us, r, meta.lora_dtypes))
+
+
+def _down_backward_unweighted(grad_out, hw, ws, tok, pairs, meta: FusedMeta, needs_w: bool):
+    """The wide backward's down part from the rows' unweighted gradient: -> (dh [N, I], grad_w
+    [T, k] ``meta.w_dtype`` or None (``needs_w`` False), grad_da [G, r, I], grad_db [G, H, r]).
+
+    Row i's output is w_i d_i, d_i = h_i W_d^T + s (h_i A_d^T) B_d^T, so with g_i its token's
+    gradient: dh_i = w_i dh'_i where dh'_i = g_i W_d + s (g_i B_d) A_d (one product of [g | s g B_d]
+    with the buffer's [W_d; A_d] columns), and the weight's gradient d_i . g_i = h_i . dh'_i, a dot
+    over I instead of H. Why: no [N, H] d saved by the forward (a CUDA graph's largest copy), no
+    [N, H] weighted copy of g; the LoRA down gradients take the weight through their r-wide
+    factors instead."""
+    wide, inter, s, groups = meta.wide, meta.inter, meta.scaling, meta.groups
+    hid, r = wide.hidden, wide.rank
+    dt = hw.dtype
+    gow = torch.empty(hw.shape[0], hid + r, dtype=dt, device=hw.device)  # [g | s g B_d]
+    gos = torch.index_select(grad_out.to(dt), 0, tok, out=gow[:, :hid])
+    ts = grouped_mm(gos, wide.b_d, groups)  # [N, r] = s g B_d
+    gow[:, hid:] = ts
+    dh = grouped_mm(gow, wide.d_cols, groups)  # [N, I]: dh', before the row's weight
+    wsc = ws.to(dt)[:, None]  # [N, 1]
+    grad_db = grouped_mm_k(gos.t(), hw[:, inter:] * wsc, groups).mul_(s)  # [G, H, r] = s Σ g^T (w pd)
+    del gow, gos
+    grad_da = grouped_mm_k((ts * wsc).t(), hw[:, :inter], groups)  # [G, r, I] = Σ (w ts)^T h
+    grad_w = None
+    if needs_w:
+        grad_ws = (hw[:, :inter] * dh).sum(1, dtype=torch.float32)  # [N]
+        grad_w = torch.empty(meta.w_shape.numel(), dtype=grad_ws.dtype, device=dh.device)
+        grad_w = grad_w.index_copy_(0, pairs, grad_ws).view(meta.w_shape).to(meta.w_dtype)
+    return dh.mul_(wsc), grad_w, grad_da, grad_db
 
 
 def fused_backward(grad_out, saved, meta: FusedMeta, needs_x: bool, needs_w: bool):

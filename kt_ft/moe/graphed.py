@@ -193,15 +193,16 @@ class Workspace:
             )
         return b
 
-    def saved(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.bufs[f"saved{i}"] for i in range(self.n_saved))
+    def saved(self) -> tuple[torch.Tensor | None, ...]:
+        """fused_forward's saved tensors as the buffers hold them (None where it saved none)."""
+        return tuple(self.bufs.get(f"saved{i}") for i in range(self.n_saved))
 
     def claim(self, pending: _Pending) -> None:
         """A graph that writes the saved buffers is about to replay for ``pending``: a previous
         owner still waiting for its backward gets a copy of its tensors first."""
         old = self.owner() if self.owner is not None else None
         if old is not None and old is not pending and old.in_workspace:
-            old.saved = tuple(t.clone() for t in self.saved())
+            old.saved = tuple(None if t is None else t.clone() for t in self.saved())
             old.counts = self.bufs["counts"].clone()
             old.in_workspace = False
             self.keep_saved = False
@@ -406,13 +407,17 @@ class LayerGraphs:
             with torch.cuda.stream(side), torch.no_grad():
                 out, counts, saved, _ = self._forward_body(x, local, weights, lora, k)
             torch.cuda.current_stream(x.device).wait_stream(side)
-            nbytes = sum(t.numel() * t.element_size() for t in (out, *saved))
+            nbytes = sum(t.numel() * t.element_size() for t in (out, *saved) if t is not None)
             if not self._room(x, nbytes):
                 _log_once("room", "CUDA graphs of resident experts: not captured, too little free GPU memory")
                 return False
             sx, sl, sw = ws.buffer("x", x), ws.buffer("local", local), ws.buffer("weights", weights)
             so = ws.buffer("out", out)
-            s_saved = [ws.buffer(f"saved{i}", t) for i, t in enumerate(saved)] if grad else []
+            s_saved = (
+                [None if t is None else ws.buffer(f"saved{i}", t) for i, t in enumerate(saved)]
+                if grad
+                else []
+            )
             ws.n_saved = max(ws.n_saved, len(s_saved))
             s_counts = ws.buffer("counts", counts) if grad else None
             del out, counts, saved
@@ -429,7 +434,8 @@ class LayerGraphs:
                 if grad:
                     s_counts.copy_(counts)
                     for dst, src in zip(s_saved, saved):
-                        _copy_unless_same(dst, src)
+                        if dst is not None:
+                            _copy_unless_same(dst, src)
                 del out, counts, saved
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self._stop(f"capture failed: {str(e).splitlines()[0][:200]}")
