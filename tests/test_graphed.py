@@ -250,8 +250,8 @@ def test_layers_on_the_cpu_device_run_eagerly(tmp_path, monkeypatch):
 
 
 def test_a_graphed_layer_writes_the_wide_lora_blocks_once_per_change(monkeypatch):
-    """``LayerGraphs._load_lora`` (outside the graphs, so it runs on the CPU too): the first call
-    writes the LoRA into the wide buffers; calls with unchanged parameters write nothing; an
+    """``LayerGraphs._load_lora`` (outside the graphs, so it runs on the CPU too; in grad mode, as a
+    forward without checkpointing calls it): the first call writes the LoRA into the wide buffers; calls with unchanged parameters write nothing; an
     optimizer step (``lora_changed``), an in-place change of a parameter, or a new copy of the
     buffers (zero LoRA blocks) writes again -- always the parameters' current values."""
     from types import SimpleNamespace
@@ -267,7 +267,7 @@ def test_a_graphed_layer_writes_the_wide_lora_blocks_once_per_change(monkeypatch
     gen = torch.Generator().manual_seed(seed)
     E, H, I, r = 3, 32, 16, 8
     base, lora, *_ = make_problem(4, E, 2, H, I, r, torch.float32, gen)
-    lora = [t.clone() for t in lora]
+    lora = [t.clone().requires_grad_() for t in lora]  # parameters, written in grad mode as a run does
     wide = WideExperts.from_weights(base.gate_up, base.down, r, base.spec, "cpu")
     dev = SimpleNamespace(resident=SimpleNamespace(weights=SimpleNamespace(wide=wide)))
     lg = graphed.LayerGraphs(dev, scaling=2.0)
@@ -282,6 +282,7 @@ def test_a_graphed_layer_writes_the_wide_lora_blocks_once_per_change(monkeypatch
     lg._load_lora(lora)
     lg._load_lora(lora)  # a recompute, the next micro-batch: nothing changed
     assert len(writes) == 1 and holds_lora(wide)
+    assert not wide.gu_buf.requires_grad and not wide.d_buf.requires_grad  # a plain write, not a graph node
     with torch.no_grad():  # the optimizer's step: in place, then its post-step hook
         lora[1].add_(0.5)
     lora_changed()

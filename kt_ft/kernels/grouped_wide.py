@@ -109,6 +109,7 @@ class WideExperts:
             d_buf[j, :h, :i].copy_(down[e])
         return cls(gu_buf, d_buf, h, i, r, spec)
 
+    @torch.no_grad()  # a buffer write, never part of a graph: ``LayerGraphs`` calls it in grad mode too
     def load_lora(self, ga, gb, ua, ub, da, db, scaling: float) -> None:
         """Write the group's LoRA (fp32 [G, r, H], [G, I, r], [G, r, H], [G, I, r], [G, r, I], [G, H, r])
         into the buffers, in their dtype, B scaled by ``scaling``."""
