@@ -360,7 +360,8 @@ def _combine(d, w, pairs, tok, x_shape, acc, out_dtype, out=None):
 def _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, load_lora=True, into=None):
     """``fused_forward`` on weights in the wide layout (``grouped_wide.py``): the LoRA B products
     folded into the base ones. Saved: (xw [N, H + 2r] = [xs | pa], gu [N, 2I], hw [N, I + r] =
-    [h | pd], d [N, H], ws, tok, pairs) and the two buffers."""
+    [h | pd], d [N, H] or None (``_down_backward_unweighted`` needs none), ws, tok, pairs) and the
+    two buffers."""
     wide = base.wide
     spec, inter, hid, r = base.spec, wide.inter, wide.hidden, wide.rank
     dt = wide.gu_buf.dtype
