@@ -415,9 +415,7 @@ def _output_grads(grad_out, d, ws, tok, pairs, w_shape, w_dtype, needs_w, gd):
         torch.mul(gos, ws.to(d.dtype)[:, None], out=gd)
         if not needs_w:
             return None
-        grad_ws = gos.mul_(d).sum(1, dtype=torch.float32)  # [N]
-        grad_w = torch.empty(w_shape.numel(), dtype=grad_ws.dtype, device=d.device)
-        return grad_w.index_copy_(0, pairs, grad_ws).view(w_shape).to(w_dtype)
+        return _in_pair_order(gos.mul_(d).sum(1, dtype=torch.float32), pairs, w_shape, w_dtype)
     grad_ws = torch.empty(d.shape[0], dtype=grad_out.dtype, device=d.device) if needs_w else None
     for lo_, hi in _row_slices(d.shape[0]):
         gos = grad_out.index_select(0, tok[lo_:hi])  # [n, H] grad_out's dtype
@@ -425,9 +423,16 @@ def _output_grads(grad_out, d, ws, tok, pairs, w_shape, w_dtype, needs_w, gd):
             grad_ws[lo_:hi] = (gos * d[lo_:hi]).sum(1)  # promoted to gos's accum dtype
         gd[lo_:hi] = gos.mul_(ws[lo_:hi, None])
         del gos
-    if grad_ws is None:
-        return None
-    grad_w = torch.zeros(w_shape.numel(), dtype=grad_ws.dtype, device=grad_ws.device)
+    return None if grad_ws is None else _in_pair_order(grad_ws, pairs, w_shape, w_dtype)
+
+
+def _in_pair_order(grad_ws: torch.Tensor, pairs: torch.Tensor, w_shape, w_dtype) -> torch.Tensor:
+    """The routing weights' gradient [w_shape] ``w_dtype`` from the rows' ones grad_ws [N] (row i
+    holds flat pair ``pairs[i]``); zero for pairs not among the rows (computed elsewhere)."""
+    n = w_shape.numel()
+    grad_w = (torch.empty if pairs.numel() == n else torch.zeros)(
+        n, dtype=grad_ws.dtype, device=grad_ws.device
+    )
     return grad_w.index_copy_(0, pairs, grad_ws).view(w_shape).to(w_dtype)
 
 
@@ -502,8 +507,7 @@ def _down_backward_unweighted(grad_out, hw, ws, tok, pairs, meta: FusedMeta, nee
     grad_w = None
     if needs_w:
         grad_ws = (hw[:, :inter] * dh).sum(1, dtype=torch.float32)  # [N]
-        grad_w = torch.empty(meta.w_shape.numel(), dtype=grad_ws.dtype, device=dh.device)
-        grad_w = grad_w.index_copy_(0, pairs, grad_ws).view(meta.w_shape).to(meta.w_dtype)
+        grad_w = _in_pair_order(grad_ws, pairs, meta.w_shape, meta.w_dtype)
     return dh.mul_(wsc), grad_w, grad_da, grad_db
 
 
