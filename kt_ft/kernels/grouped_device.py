@@ -295,9 +295,7 @@ def fused_forward(
     inter = base.intermediate
     tok = torch.div(pairs, k, rounding_mode="floor")
     if base.wide is not None:
-        return _wide_forward(
-            x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, load_lora, into or {}
-        )
+        return _wide_forward(x, w, lora, base, scaling, groups, pairs, k, tok, out_dtype, load_lora, into)
     # [G, 2r, H] ([Ag; Au]), [G, 2I, 2r] (Bg, Bu in the gate / up rows, zeros elsewhere), Ad, Bd; dt
     a_gu, b_gu, ad, bd = lora_cast(ga, gb, ua, ub, da, db)
     xs = x.to(dt).index_select(0, tok)  # [N, H]
