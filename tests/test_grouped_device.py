@@ -311,3 +311,35 @@ def test_wide_forward_into_given_buffers_equals_new_tensors(dtype):
         gd.fused_backward(grad, saved, meta, True, True), gd.fused_backward(grad, saved2, meta, True, True)
     ):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_an_error_inside_a_graph_capture_is_no_refusal(monkeypatch, capturing):
+    """``torch._grouped_mm`` raising outside a CUDA graph capture is a refusal of the product's
+    signature (logged, the loop from then on, same result); raising while a capture runs (or after
+    an error invalidated it) is the capture's failure: it propagates to the capture's caller and
+    the signature stays grouped. Fresh random inputs on the CPU, float32, the capture state faked."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    counts = [3, 0, 5]
+    a = torch.randn(sum(counts), 8, generator=gen)
+    b = torch.randn(3, 8, 4, generator=gen)
+    groups = gd.Groups(torch.tensor(counts), sum(counts), counts)
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch, "_grouped_mm", raising, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    gd._refused.clear()
+    if capturing:
+        with pytest.raises(RuntimeError, match="capturing"):
+            gd.grouped_mm(a, b, groups)
+        assert not gd._refused
+    else:
+        got = gd.grouped_mm(a, b, groups)
+        torch.testing.assert_close(got, gd.grouped_mm_loop(a, b, groups), rtol=0, atol=0)
+        assert len(gd._refused) == 1
+    gd._refused.clear()

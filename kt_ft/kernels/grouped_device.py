@@ -115,6 +115,11 @@ def _try_grouped(key: tuple, a: torch.Tensor, b: torch.Tensor, groups: Groups, w
     try:
         return torch._grouped_mm(a, b, offs=groups.offs)
     except (RuntimeError, NotImplementedError) as e:
+        if _capturing():
+            # an error inside a CUDA graph capture (the capture's, or one an earlier op left) is
+            # no refusal of the signature: marking it refused would loop this product, and stop
+            # every layer's graphs, for the rest of the run. The capture's caller falls back.
+            raise
         # shape/dtype checks raise before any kernel is queued: nothing half-done to undo
         _refused.add(key)
         logger.info(
@@ -122,6 +127,12 @@ def _try_grouped(key: tuple, a: torch.Tensor, b: torch.Tensor, groups: Groups, w
             f"({str(e).splitlines()[0]}); that product loops over experts"
         )
         return None
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (a capture an error invalidated counts
+    too). Asked only after an error, so it costs the step nothing."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _t(w: torch.Tensor) -> torch.Tensor:
