@@ -140,6 +140,30 @@ def test_graphs_for_at_most_max_buckets(tmp_path, monkeypatch):
         assert buckets == {64, 112}, buckets
 
 
+@needs_sm90
+def test_a_failed_capture_leaves_the_callers_stream_and_trains_like_eager(tmp_path, monkeypatch):
+    """A capture in which an op fails (here a host read of a device value, which a capture forbids)
+    turns that layer's graphs off and leaves the caller's stream current, not the side stream the
+    capture ran on (``torch.cuda.graph``'s exit raises before it restores the stream); the run
+    then trains like eager."""
+    monkeypatch.setattr(graphed, "SEEN_BEFORE_CAPTURE", 1)  # a capture in step 2
+    body = graphed.LayerGraphs._forward_body
+
+    def failing(self, x, *args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            x.sum().item()
+        return body(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(graphed.LayerGraphs, "_forward_body", failing)
+    stream = torch.cuda.current_stream()
+    model = run_both(tmp_path, monkeypatch, checkpointing=True, steps=3)
+    assert torch.cuda.current_stream() == stream
+    for m in kt_layers(model):
+        g = m.device_experts.graphs
+        assert g.off is not None and g.off.startswith("capture failed"), g.off
+        assert g.replays == 0
+
+
 def test_buckets_round_up_by_at_most_a_quarter():
     """Every count 1..5000 maps to a bucket no smaller and (past the 64 floor) at most 25% larger;
     powers of two stay; the buckets per power of two are four."""

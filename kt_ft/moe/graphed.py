@@ -36,6 +36,7 @@ kernels' in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -169,6 +170,22 @@ def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src), unless src already is dst (written in place through ``into``)."""
     if src.data_ptr() != dst.data_ptr() or src.shape != dst.shape or src.stride() != dst.stride():
         dst.copy_(src)
+
+
+@contextlib.contextmanager
+def _capturing(g: torch.cuda.CUDAGraph, pool, device):
+    """``torch.cuda.graph(g, pool)`` (thread-local error mode) that leaves the caller's stream current
+    however the capture ends. When an op inside fails, ``torch.cuda.graph``'s exit raises from
+    ``capture_end`` before it leaves its stream context: the side stream it captured on would stay
+    current, and the rest of the step would run there, unordered with the work of other threads'
+    streams (the autograd engine's backward)."""
+    stream = torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if torch.cuda.current_stream(device) != stream:
+            torch.cuda.set_stream(stream)
 
 
 class Workspace:
@@ -428,7 +445,7 @@ class LayerGraphs:
             if grad and self.dev.resident.weights.wide is not None:
                 into.update(xw=s_saved[0], hw=s_saved[2])
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(g, pool=ws.pool, capture_error_mode="thread_local"):
+            with torch.no_grad(), _capturing(g, ws.pool, x.device):
                 out, counts, saved, meta = self._forward_body(sx, sl, sw, lora, k, into)
                 _copy_unless_same(so, out)
                 if grad:
@@ -535,7 +552,7 @@ class LayerGraphs:
             dst = {n: ws.buffer(n, g) for n, g in zip(_GRAD_NAMES, grads) if g is not None}
             del grads
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(g, pool=ws.pool, capture_error_mode="thread_local"):
+            with torch.no_grad(), _capturing(g, ws.pool, dev):
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
                 for n, t in zip(_GRAD_NAMES, grads):
                     if t is not None:
