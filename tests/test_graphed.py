@@ -144,8 +144,7 @@ def test_graphs_for_at_most_max_buckets(tmp_path, monkeypatch):
 def test_a_failed_capture_leaves_the_callers_stream_and_trains_like_eager(tmp_path, monkeypatch):
     """A capture in which an op fails (here a host read of a device value, which a capture forbids)
     turns that layer's graphs off and leaves the caller's stream current, not the side stream the
-    capture ran on (``torch.cuda.graph``'s exit raises before it restores the stream); the run
-    then trains like eager."""
+    capture ran on; the run then trains like eager."""
     monkeypatch.setattr(graphed, "SEEN_BEFORE_CAPTURE", 1)  # a capture in step 2
     body = graphed.LayerGraphs._forward_body
 

@@ -172,20 +172,39 @@ def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
 @contextlib.contextmanager
-def _capturing(g: torch.cuda.CUDAGraph, pool, device):
-    """``torch.cuda.graph(g, pool)`` (thread-local error mode) that leaves the caller's stream current
-    however the capture ends. When an op inside fails, ``torch.cuda.graph``'s exit raises from
-    ``capture_end`` before it leaves its stream context: the side stream it captured on would stay
-    current, and the rest of the step would run there, unordered with the work of other threads'
-    streams (the autograd engine's backward)."""
-    stream = torch.cuda.current_stream(device)
+def _capturing(g: torch.cuda.CUDAGraph, pool, device, need: int):
+    """Capture into ``g`` (its memory from ``pool``, thread-local error mode) on a side stream of
+    ``device``; the caller's stream is current again afterwards however the capture ends.
+
+    Not ``torch.cuda.graph``: that synchronizes the device and empties the allocator's cache before
+    every capture (a stall, then every cached block allocated afresh; a run of varied lengths
+    captures three graphs a layer and bucket), and when an op inside fails, its exit raises from
+    ``capture_end`` before it restores the stream, so the rest of the step would run on the side
+    stream, unordered with other threads' streams (the autograd engine's). The cache is emptied
+    here only when the free memory is short of ``need`` bytes and 1 GiB more (the graph's pool
+    cannot take blocks cached for the rest of the run)."""
+    device = torch.device(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < need + 2**30:
+        torch.cuda.empty_cache()
+    caller = torch.cuda.current_stream(device)
+    stream = _capture_streams.get(device)
+    if stream is None:
+        stream = _capture_streams[device] = torch.cuda.Stream(device)
+    stream.wait_stream(caller)
+    torch.cuda.set_stream(stream)
     try:
-        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+        g.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
             yield
+        finally:
+            g.capture_end()
     finally:
-        if torch.cuda.current_stream(device) != stream:
-            torch.cuda.set_stream(stream)
+        torch.cuda.set_stream(caller)
 
 
 class Workspace:
@@ -445,7 +464,7 @@ class LayerGraphs:
             if grad and self.dev.resident.weights.wide is not None:
                 into.update(xw=s_saved[0], hw=s_saved[2])
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), _capturing(g, ws.pool, x.device):
+            with torch.no_grad(), _capturing(g, ws.pool, x.device, 3 * nbytes):
                 out, counts, saved, meta = self._forward_body(sx, sl, sw, lora, k, into)
                 _copy_unless_same(so, out)
                 if grad:
@@ -550,9 +569,10 @@ class LayerGraphs:
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
             torch.cuda.current_stream(dev).wait_stream(side)
             dst = {n: ws.buffer(n, g) for n, g in zip(_GRAD_NAMES, grads) if g is not None}
+            nbytes = sum(t.numel() * t.element_size() for t in grads if t is not None)
             del grads
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), _capturing(g, ws.pool, dev):
+            with torch.no_grad(), _capturing(g, ws.pool, dev, 3 * nbytes):
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
                 for n, t in zip(_GRAD_NAMES, grads):
                     if t is not None:
