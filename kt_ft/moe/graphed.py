@@ -201,8 +201,13 @@ def _capturing(g: torch.cuda.CUDAGraph, pool, device, need: int):
         g.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             yield
-        finally:
-            g.capture_end()
+        except BaseException:
+            # end the capture the op invalidated; its error ("a previous error during capture")
+            # would hide the op's own, which says what failed
+            with contextlib.suppress(RuntimeError):
+                g.capture_end()
+            raise
+        g.capture_end()
     finally:
         torch.cuda.set_stream(caller)
 
