@@ -160,8 +160,18 @@ def test_a_failed_capture_leaves_the_callers_stream_and_trains_like_eager(tmp_pa
     for m in kt_layers(model):
         g = m.device_experts.graphs
         # the failing op's own error, not the invalidated capture's
-        assert g.off is not None and g.off.startswith("capture failed") and "not permitted" in g.off, g.off
+        assert g.off is not None and g.off.startswith("capture failed at graphed.py:"), g.off
+        assert "not permitted" in g.off, g.off
         assert g.replays == 0
+
+
+def test_failed_at_names_the_innermost_frame_of_kt_fts_code():
+    """A failed capture's log line says where it stopped: the innermost kt_ft frame of the error."""
+    with pytest.raises(RuntimeError) as info:
+        graphed.zero_rows_to(torch.zeros(3, 2), 1)  # fewer rows than it has: a negative size
+    where = graphed.failed_at(info.value)
+    assert where.startswith("graphed.py:") and where.endswith("(zero_rows_to)"), where
+    assert graphed.failed_at(RuntimeError("raised nowhere")) == "?"
 
 
 def test_buckets_round_up_by_at_most_a_quarter():

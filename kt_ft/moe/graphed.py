@@ -37,6 +37,8 @@ kernels' in the same order.
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 import weakref
 
 import torch
@@ -107,6 +109,16 @@ def _log_once(key: str, msg: str) -> None:
     if key not in _logged:
         _logged.add(key)
         logger.info(msg)
+
+
+def failed_at(e: BaseException) -> str:
+    """``file:line (function)`` of the innermost frame of kt-ft's own code in ``e``'s traceback:
+    the op a failed capture stopped at, for the log line (a capture fails on the GPU only)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}kt_ft{os.sep}" in f.filename]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno} ({f.name})"
 
 
 def bucket_tokens(tokens: int) -> int:
@@ -479,7 +491,7 @@ class LayerGraphs:
                             _copy_unless_same(dst, src)
                 del out, counts, saved
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            self._stop(f"capture failed: {str(e).splitlines()[0][:200]}")
+            self._stop(f"capture failed at {failed_at(e)}: {str(e).splitlines()[0][:200]}")
             return False
         # the backward rebuilds the groups from the workspace's counts: none of the capture's tensors kept
         self.graphs[key] = _Captured(g, ws, meta._replace(groups=None))
@@ -584,7 +596,7 @@ class LayerGraphs:
                         dst[n].copy_(t)
                 del grads
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            self._stop(f"backward capture failed: {str(e).splitlines()[0][:200]}")
+            self._stop(f"backward capture failed at {failed_at(e)}: {str(e).splitlines()[0][:200]}")
             return False
         self.graphs[bkey] = _Captured(g, ws, None)
         self.captures += 1
