@@ -14,6 +14,8 @@ checks run everywhere.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_parity import ATTN, expert_lora
@@ -165,13 +167,15 @@ def test_a_failed_capture_leaves_the_callers_stream_and_trains_like_eager(tmp_pa
         assert g.replays == 0
 
 
-def test_failed_at_names_the_innermost_frame_of_kt_fts_code():
-    """A failed capture's log line says where it stopped: the innermost kt_ft frame of the error."""
+def test_a_failure_names_the_innermost_frame_of_kt_fts_code():
+    """A failed capture's log line says where it stopped (the innermost kt_ft frame of the error)
+    and the error's first line."""
     with pytest.raises(RuntimeError) as info:
         graphed.zero_rows_to(torch.zeros(3, 2), 1)  # fewer rows than it has: a negative size
-    where = graphed.failed_at(info.value)
-    assert where.startswith("graphed.py:") and where.endswith("(zero_rows_to)"), where
-    assert graphed.failed_at(RuntimeError("raised nowhere")) == "?"
+    got = graphed.failure(info.value)
+    first = str(info.value).splitlines()[0]
+    assert re.fullmatch(r"at graphed\.py:\d+ \(zero_rows_to\): " + re.escape(first[:200]), got), got
+    assert graphed.failure(RuntimeError("raised nowhere\nmore")) == "at ?: raised nowhere"
 
 
 def test_buckets_round_up_by_at_most_a_quarter():

@@ -115,7 +115,7 @@ def _try_grouped(key: tuple, a: torch.Tensor, b: torch.Tensor, groups: Groups, w
     try:
         return torch._grouped_mm(a, b, offs=groups.offs)
     except (RuntimeError, NotImplementedError) as e:
-        if _capturing():
+        if _in_capture():
             # an error inside a CUDA graph capture (the capture's, or one an earlier op left) is
             # no refusal of the signature: marking it refused would loop this product, and stop
             # every layer's graphs, for the rest of the run. The capture's caller falls back.
@@ -129,7 +129,7 @@ def _try_grouped(key: tuple, a: torch.Tensor, b: torch.Tensor, groups: Groups, w
         return None
 
 
-def _capturing() -> bool:
+def _in_capture() -> bool:
     """Whether the current CUDA stream is capturing a graph (a capture an error invalidated counts
     too). Asked only after an error, so it costs the step nothing."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

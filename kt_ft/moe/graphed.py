@@ -111,14 +111,15 @@ def _log_once(key: str, msg: str) -> None:
         logger.info(msg)
 
 
-def failed_at(e: BaseException) -> str:
-    """``file:line (function)`` of the innermost frame of kt-ft's own code in ``e``'s traceback:
-    the op a failed capture stopped at, for the log line (a capture fails on the GPU only)."""
+def failure(e: BaseException) -> str:
+    """``at file:line (function): <e's first line>``, the frame being the innermost of kt-ft's own
+    code in ``e``'s traceback: where a failed capture stopped, for its log line (captures fail on
+    the GPU only, where a traceback is not at hand)."""
     frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}kt_ft{os.sep}" in f.filename]
-    if not frames:
-        return "?"
-    f = frames[-1]
-    return f"{os.path.basename(f.filename)}:{f.lineno} ({f.name})"
+    where = (
+        f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
+    )
+    return f"at {where}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
 
 
 def bucket_tokens(tokens: int) -> int:
@@ -188,7 +189,7 @@ _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @contextlib.contextmanager
-def _capturing(g: torch.cuda.CUDAGraph, pool, device, need: int):
+def _capture_into(g: torch.cuda.CUDAGraph, pool, device, need: int):
     """Capture into ``g`` (its memory from ``pool``, thread-local error mode) on a side stream of
     ``device``; the caller's stream is current again afterwards however the capture ends.
 
@@ -481,7 +482,7 @@ class LayerGraphs:
             if grad and self.dev.resident.weights.wide is not None:
                 into.update(xw=s_saved[0], hw=s_saved[2])
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), _capturing(g, ws.pool, x.device, 3 * nbytes):
+            with torch.no_grad(), _capture_into(g, ws.pool, x.device, 3 * nbytes):
                 out, counts, saved, meta = self._forward_body(sx, sl, sw, lora, k, into)
                 _copy_unless_same(so, out)
                 if grad:
@@ -491,7 +492,7 @@ class LayerGraphs:
                             _copy_unless_same(dst, src)
                 del out, counts, saved
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            self._stop(f"capture failed at {failed_at(e)}: {str(e).splitlines()[0][:200]}")
+            self._stop(f"capture failed {failure(e)}")
             return False
         # the backward rebuilds the groups from the workspace's counts: none of the capture's tensors kept
         self.graphs[key] = _Captured(g, ws, meta._replace(groups=None))
@@ -589,14 +590,14 @@ class LayerGraphs:
             nbytes = sum(t.numel() * t.element_size() for t in grads if t is not None)
             del grads
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), _capturing(g, ws.pool, dev, 3 * nbytes):
+            with torch.no_grad(), _capture_into(g, ws.pool, dev, 3 * nbytes):
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
                 for n, t in zip(_GRAD_NAMES, grads):
                     if t is not None:
                         dst[n].copy_(t)
                 del grads
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
-            self._stop(f"backward capture failed at {failed_at(e)}: {str(e).splitlines()[0][:200]}")
+            self._stop(f"backward capture failed {failure(e)}")
             return False
         self.graphs[bkey] = _Captured(g, ws, None)
         self.captures += 1
