@@ -177,6 +177,13 @@ def test_a_failure_names_the_innermost_frame_of_kt_fts_code():
     assert re.fullmatch(r"at graphed\.py:\d+ \(zero_rows_to\): " + re.escape(first[:200]), got), got
     assert graphed.failure(RuntimeError("raised nowhere\nmore")) == "at ?: raised nowhere"
 
+    def outside():  # a frame outside the kt_ft package (whatever folder the checkout is in)
+        raise RuntimeError("in the tests")
+
+    with pytest.raises(RuntimeError) as info:
+        outside()
+    assert graphed.failure(info.value) == "at ?: in the tests"
+
 
 def test_buckets_round_up_by_at_most_a_quarter():
     """Every count 1..5000 maps to a bucket no smaller and (past the 64 floor) at most 25% larger;

@@ -111,11 +111,16 @@ def _log_once(key: str, msg: str) -> None:
         logger.info(msg)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # kt_ft/
+
+
 def failure(e: BaseException) -> str:
     """``at file:line (function): <e's first line>``, the frame being the innermost of kt-ft's own
     code in ``e``'s traceback: where a failed capture stopped, for its log line (captures fail on
     the GPU only, where a traceback is not at hand)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f"{os.sep}kt_ft{os.sep}" in f.filename]
+    frames = [
+        f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename).startswith(_PACKAGE)
+    ]
     where = (
         f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
     )
