@@ -194,8 +194,8 @@ _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @contextlib.contextmanager
-def _capture_into(g: torch.cuda.CUDAGraph, pool, device):
-    """Capture into ``g`` (its memory from ``pool``, thread-local error mode) on a side stream of
+def _capture_into(g: torch.cuda.CUDAGraph, ws: Workspace, device):
+    """Capture into ``g`` (its memory from ``ws.pool``, thread-local error mode) on a side stream of
     ``device``; the caller's stream is current again afterwards however the capture ends.
 
     Not ``torch.cuda.graph``: that synchronizes the device and collects Python garbage before every
@@ -204,9 +204,14 @@ def _capture_into(g: torch.cuda.CUDAGraph, pool, device):
     of the step would run on the side stream, unordered with other threads' streams (the autograd
     engine's). The allocator's cache is still emptied first: the graph's pool cannot take blocks
     cached for the rest of the step, so without it every capture's memory came on top of them
-    (measured: 45.3 GiB reserved for 35.2 allocated, against 37.0 with it). A failed capture's
-    ``capture_end`` raises before it ends the pool's allocation, and the next capture into the same
-    pool (another layer's) would fail with "already recording": it is ended here."""
+    (measured: 45.3 GiB reserved for 35.2 allocated, against 37.0 with it).
+
+    A failed capture's ``capture_end`` raises before it ends the routing of allocations to the pool,
+    in the device allocator and (PyTorch 2.11; not 2.9) the pinned host allocator, so the next capture
+    into that pool (another layer's) failed with "already recording to mempool_id". The device
+    allocator's routing is ended here (left on, every later allocation would ask the driver for
+    the dead capture's status); the host allocator's has no hook, so the workspace moves on to a
+    fresh pool."""
     device = torch.device(device)
     torch.cuda.empty_cache()
     caller = torch.cuda.current_stream(device)
@@ -216,6 +221,7 @@ def _capture_into(g: torch.cuda.CUDAGraph, pool, device):
     stream.wait_stream(caller)
     torch.cuda.set_stream(stream)
     try:
+        pool = ws.pool
         g.capture_begin(pool=pool, capture_error_mode="thread_local")
         try:
             yield
@@ -225,6 +231,7 @@ def _capture_into(g: torch.cuda.CUDAGraph, pool, device):
             with contextlib.suppress(RuntimeError):
                 g.capture_end()
             _end_pool_allocation(device, pool)
+            ws.pool = torch.cuda.graph_pool_handle()
             raise
         g.capture_end()
     finally:
@@ -497,7 +504,7 @@ class LayerGraphs:
             if grad and self.dev.resident.weights.wide is not None:
                 into.update(xw=s_saved[0], hw=s_saved[2])
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), _capture_into(g, ws.pool, x.device):
+            with torch.no_grad(), _capture_into(g, ws, x.device):
                 out, counts, saved, meta = self._forward_body(sx, sl, sw, lora, k, into)
                 _copy_unless_same(so, out)
                 if grad:
@@ -604,7 +611,7 @@ class LayerGraphs:
             dst = {n: ws.buffer(n, g) for n, g in zip(_GRAD_NAMES, grads) if g is not None}
             del grads
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), _capture_into(g, ws.pool, dev):
+            with torch.no_grad(), _capture_into(g, ws, dev):
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
                 for n, t in zip(_GRAD_NAMES, grads):
                     if t is not None:
