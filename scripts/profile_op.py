@@ -33,15 +33,22 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], re
     step()
 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
 
-# aten::mm time by product kind: dims other than H, I, 2I, r, 2r are the per-expert row count n
-known = {p.hidden, p.inter, 2 * p.inter, 8, 16}
+# matmul time by op and product kind: dims other than E, H, I, 2I, r, 2r are a row count n
+# (per expert for mm; the padded per-expert rows for the grouped bmm / baddbmm_)
+MATMULS = ("aten::mm", "aten::bmm", "aten::baddbmm_", "aten::addmm")
+known = {p.experts, p.hidden, p.inter, 2 * p.inter, 8, 16}
 by_kind: dict[str, list[float]] = {}
 for ev in prof.events():
-    if ev.name == "aten::mm" and ev.input_shapes:
-        kind = " x ".join(
-            "[" + ",".join(str(d) if d in known else "n" for d in s) + "]" for s in ev.input_shapes[:2]
+    if ev.name in MATMULS and ev.input_shapes:
+        shapes = (
+            [s for s in ev.input_shapes if s][:2] if ev.name != "aten::baddbmm_" else ev.input_shapes[1:3]
+        )
+        kind = (
+            ev.name.removeprefix("aten::")
+            + " "
+            + " x ".join("[" + ",".join(str(d) if d in known else "n" for d in s) + "]" for s in shapes)
         )
         by_kind.setdefault(kind, []).append(ev.cpu_time_total / 1e3)
-print(f"{'aten::mm kind':<40}{'calls':>7}{'total ms':>10}{'avg ms':>9}")
+print(f"{'matmul kind':<48}{'calls':>7}{'total ms':>10}{'avg ms':>9}")
 for kind, ts in sorted(by_kind.items(), key=lambda kv: -sum(kv[1])):
-    print(f"{kind:<40}{len(ts):>7}{sum(ts):>10.1f}{sum(ts) / len(ts):>9.3f}")
+    print(f"{kind:<48}{len(ts):>7}{sum(ts):>10.1f}{sum(ts) / len(ts):>9.3f}")
