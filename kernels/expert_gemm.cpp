@@ -436,19 +436,28 @@ AVX512BF16 void pack_a_rows(const Gemm& g, int64_t r0, int64_t r1, bf16* dst) {
 
 // AMX NT's A (the second tdpbf16ps operand, C^T = W @ A^T): for 16 rows of A (one m tile) and
 // 32 k (one step), a 1 KiB tile [16 k pairs][16 rows][2]; tiles ordered (m tile, step).
-// Rows [r0, r1) (multiples of 16) of A.
+// Rows [r0, r1) (multiples of 16) of A. Sixteen rows are rounded at a time, then each step's
+// [16 rows][16 pairs] block is transposed in registers and stored as whole cache lines (one
+// 4-byte store per pair, 64 bytes apart, took ~1 ns an element: ~10% of a 192-row product).
 AVX512BF16 void pack_a_pairs(const Gemm& g, int64_t r0, int64_t r1, bf16* dst) {
-    const int64_t ld = a_rows_ld(g.K), steps = ld / TILE_K;
-    std::vector<uint32_t> row(ld / 2);  // one row rounded to bf16, read as k pairs
+    const int64_t ld = a_rows_ld(g.K), steps = ld / TILE_K, pairs = ld / 2;
+    std::vector<uint32_t> rows(16 * pairs);  // 16 rows rounded to bf16, read as k pairs
     uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-    for (int64_t m = r0; m < r1; ++m) {
-        if (m < g.M)
-            round_row(g.a + m * g.lda, g.K, ld, reinterpret_cast<bf16*>(row.data()));
-        else
-            std::fill(row.begin(), row.end(), 0u);
-        uint32_t* tiles = out + (m / 16) * steps * 256 + (m % 16);
-        for (int64_t s = 0; s < steps; ++s)
-            for (int p = 0; p < 16; ++p) tiles[s * 256 + p * 16] = row[s * 16 + p];
+    for (int64_t m0 = r0; m0 < r1; m0 += 16) {
+        for (int i = 0; i < 16; ++i) {
+            uint32_t* row = rows.data() + i * pairs;
+            if (m0 + i < g.M)
+                round_row(g.a + (m0 + i) * g.lda, g.K, ld, reinterpret_cast<bf16*>(row));
+            else
+                std::fill(row, row + pairs, 0u);
+        }
+        uint32_t* tiles = out + (m0 / 16) * steps * 256;
+        for (int64_t s = 0; s < steps; ++s) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows.data() + i * pairs + s * 16);
+            transpose16(r);  // r[p] = pair p of the 16 rows
+            for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tiles + s * 256 + p * 16, r[p]);
+        }
     }
 }
 

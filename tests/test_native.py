@@ -100,6 +100,7 @@ SHAPES = [
     (49, 161, 600),
     (37, 300, 530),  # AMX: 2 + 1 m tiles, a 12-row W tile, 17 steps (the last 18 deep), 2 NN items
     (32, 64, 64),  # whole tiles everywhere
+    (150, 40, 100),  # A rounded in three work items of 64 rows, the last 22 (bf16 paths)
 ]
 
 
