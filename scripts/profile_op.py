@@ -35,14 +35,12 @@ print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max
 
 # matmul time by op and product kind: dims other than E, H, I, 2I, r, 2r are a row count n
 # (per expert for mm; the padded per-expert rows for the grouped bmm / baddbmm_)
-MATMULS = ("aten::mm", "aten::bmm", "aten::baddbmm_", "aten::addmm")
+MATMULS = ("aten::mm", "aten::bmm", "aten::baddbmm_")
 known = {p.experts, p.hidden, p.inter, 2 * p.inter, 8, 16}
 by_kind: dict[str, list[float]] = {}
 for ev in prof.events():
     if ev.name in MATMULS and ev.input_shapes:
-        shapes = (
-            [s for s in ev.input_shapes if s][:2] if ev.name != "aten::baddbmm_" else ev.input_shapes[1:3]
-        )
+        shapes = ev.input_shapes[1:3] if ev.name == "aten::baddbmm_" else ev.input_shapes[:2]  # past self
         kind = (
             ev.name.removeprefix("aten::")
             + " "
