@@ -7,7 +7,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kt-ft-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.ktk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-PARTS=${PARTS:-tests,op,step}  # also: e2e, gen, gpuprobe, hostprobe, overlap, placement, probe, qprobe, scaling
+PARTS=${PARTS:-tests,op,step}  # also: e2e, gemm, gen, gpuprobe, hostprobe, overlap, placement, probe, qprobe, scaling
 if [[ ",$PARTS," == *,e2e,* || ",$PARTS," == *,gen,* ]]; then
   # the product path: LLaMA-Factory 0.9.5's stack and a kt-ft wheel (its .pth start-up hook) installed
   # for real into the machine's python (carry .whl: `pip download` list in docs/benchmarks.md)
@@ -95,6 +95,9 @@ fi
 # issue 7: per-expert GEMM loop vs batched / prepacked formulations of the op's big products
 [[ ",$PARTS," == *,probe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/bmm_probe.py --tokens "${PROBE_TOKENS:-2048,4096}" \
   --threads "$THREADS" 2>&1 | tee "$OUT/bmm_probe.log"
+# each native GEMM path against torch's bf16 / fp32 matmul at the op's per-expert shapes (scripts/native_gemm_probe.py)
+[[ ",$PARTS," == *,gemm,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/native_gemm_probe.py 5 "$THREADS" 2>&1 \
+  | tee "$OUT/native_gemm_probe.log"
 # the native grouped GEMMs at the op's own call against the thread count (scripts/grouped_scaling_probe.py)
 [[ ",$PARTS," == *,scaling,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/grouped_scaling_probe.py \
   "${SCALING_THREADS:-1,2,4,8,14,16}" 2>&1 | tee "$OUT/scaling_probe.log"

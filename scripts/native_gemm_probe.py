@@ -1,6 +1,6 @@
 """GFLOP/s of each native GEMM path this CPU runs, NT (forward) and NN (backward), against torch's
 own bf16 and fp32 matmul at the same shapes in the same run: the CPU expert op's per-expert shapes
-(48 rows: DeepSeek-V2-Lite at 512 tokens) and a dense one. Best of N single calls (the machine
+(``SHAPES``) and a dense one. Best of N single calls (the machine
 may be shared).
 
     PYTHONPATH=. python scripts/native_gemm_probe.py [N] [THREADS]
@@ -15,7 +15,9 @@ from kt_ft.moe.op_timing import best_time
 
 REPEAT = int(sys.argv[1]) if len(sys.argv) > 1 else 7
 THREADS = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-SHAPES = [(48, 2816, 2048), (48, 2048, 1408), (3072, 2816, 2048)]  # (M, W rows, W columns)
+# (M, W rows, W columns): an expert's rows at 512 tokens (DeepSeek-V2-Lite gate_up, down), at 2,048
+# tokens (DeepSeek-V2-Lite gate_up: 192 rows; Qwen3-30B-A3B gate_up: 128 rows), and a dense one
+SHAPES = [(48, 2816, 2048), (48, 2048, 1408), (192, 2816, 2048), (128, 1536, 2048), (3072, 2816, 2048)]
 
 
 def main() -> None:
