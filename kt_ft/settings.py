@@ -109,6 +109,20 @@ _ALL = (
         "(the same bits; kt_ft/kernels/dequant_triton.py)",
     ),
     Setting(
+        "KT_FT_FUSED_LORA",
+        "1",
+        "0: PEFT's LoRA linears (attention, shared experts, dense MLPs) run PEFT's own forward instead of one "
+        "fused autograd node each (kt_ft/lora/linear.py)",
+        "numerics",
+    ),
+    Setting(
+        "KT_FT_FUSED_NORM",
+        "1",
+        "0: Llama-style RMSNorm modules run their own forward (8 operators) instead of torch's rms_norm "
+        "(kt_ft/models/rms_norm.py)",
+        "numerics",
+    ),
+    Setting(
         "KT_FT_LORA_BMM",
         "1",
         "0: the torch CPU backend computes the expert LoRA one expert at a time",

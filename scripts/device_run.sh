@@ -7,7 +7,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kt-ft-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.ktk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-PARTS=${PARTS:-tests,op,step}  # also: e2e, gemm, gen, gpuprobe, hostprobe, overlap, placement, probe, qprobe, scaling
+PARTS=${PARTS:-tests,op,step}  # also: e2e, gemm, gen, gpuprobe, hostprobe, nxprobe, overlap, placement, probe, qprobe, scaling
 if [[ ",$PARTS," == *,e2e,* || ",$PARTS," == *,gen,* ]]; then
   # the product path: LLaMA-Factory 0.9.5's stack and a kt-ft wheel (its .pth start-up hook) installed
   # for real into the machine's python (carry .whl: `pip download` list in docs/benchmarks.md)
@@ -113,6 +113,10 @@ for preset in ${HOST_PROBE_PRESETS:-qwen3-30b-a3b deepseek-v2-lite}; do
   [[ ",$PARTS," == *,hostprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/expert_host_probe.py "$preset" \
     "${GPU_PROBE_TOKENS:-2048}" 2>&1 | tee "$OUT/host_probe-$preset.log"
 done
+# the non-expert work's host time a step: PEFT / transformers as shipped against kt-ft's fused LoRA linears
+# and RMSNorm (scripts/nonexpert_host_probe.py)
+[[ ",$PARTS," == *,nxprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/nonexpert_host_probe.py 2>&1 \
+  | tee "$OUT/nonexpert_probe.log"
 [[ ",$PARTS," == *,qprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/q_probe.py --threads "$THREADS" 2>&1 \
   | tee "$OUT/q_probe.log"
 # shared experts beside the CPU op (kt_ft/moe/beside.py): the same kt-ft step with the overlap off / on

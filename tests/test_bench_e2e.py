@@ -48,8 +48,15 @@ def test_parse_systems_names_the_valid_forms():
             parse_systems(bad)
     # a kt-ft system with one of kt-ft's settings for its run (two ways of one mechanism, one run)
     (g,) = parse_systems("kt-auto@24+fp8%KT_FT_CUDA_GRAPHS=0")
-    assert (g.kind, g.cap_gib, g.quant, g.setting) == ("auto", 24, "fp8", ("KT_FT_CUDA_GRAPHS", "0"))
-    for bad in ("kt-auto%KT_FT_NOPE=1", "kt-auto%KT_FT_CUDA_GRAPHS", "peft%KT_FT_CUDA_GRAPHS=1"):
+    assert (g.kind, g.cap_gib, g.quant, g.settings) == ("auto", 24, "fp8", (("KT_FT_CUDA_GRAPHS", "0"),))
+    (two,) = parse_systems("kt-auto%KT_FT_FUSED_LORA=0%KT_FT_FUSED_NORM=0")
+    assert two.settings == (("KT_FT_FUSED_LORA", "0"), ("KT_FT_FUSED_NORM", "0"))
+    for bad in (
+        "kt-auto%KT_FT_NOPE=1",
+        "kt-auto%KT_FT_FUSED_LORA=0%KT_FT_NOPE=1",
+        "kt-auto%KT_FT_CUDA_GRAPHS",
+        "peft%KT_FT_CUDA_GRAPHS=1",
+    ):
         with pytest.raises(ValueError, match="suffix takes one of kt-ft's settings"):
             parse_systems(bad)
 

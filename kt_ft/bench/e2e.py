@@ -87,7 +87,7 @@ class System:
     backend: str = "auto"
     cap_gib: float | None = None
     quant: str | None = None  # ``+fp8`` etc.: runs on the model's ``kt-ft quantize`` copy
-    setting: tuple[str, str] | None = None  # ``%NAME=value``: a kt-ft setting for this run
+    settings: tuple[tuple[str, str], ...] = ()  # ``%NAME=value`` (one or more): kt-ft settings for this run
 
     @property
     def use_kt(self) -> bool:
@@ -102,14 +102,16 @@ def parse_systems(text: str) -> list[System]:
     for full in (s.strip() for s in text.split(",")):
         if not full:
             continue
-        head, _, setting = full.partition("%")
-        if setting:
+        head, *suffixes = full.split("%")
+        pairs = []
+        for setting in suffixes:
             name, eq, value = setting.partition("=")
             if not eq or name not in settings.SETTINGS or not head.startswith("kt-") or head == "kt-peer":
                 raise ValueError(
                     f"--systems: {full!r}: a '%<SETTING>=<value>' suffix takes one of kt-ft's settings "
                     f"({', '.join(settings.SETTINGS)}) after a kt-ft system"
                 )
+            pairs.append((name, value))
         raw, _, quant = head.partition("+")
         if quant:
             if quant not in QUANT_FORMATS or not raw.startswith("kt-") or raw == "kt-peer":
@@ -138,8 +140,8 @@ def parse_systems(text: str) -> list[System]:
             )
         if quant and len(out) > n:
             out[-1] = replace(out[-1], name=full, quant=quant)
-        if setting and len(out) > n:
-            out[-1] = replace(out[-1], name=full, setting=(name, value))
+        if pairs and len(out) > n:
+            out[-1] = replace(out[-1], name=full, settings=tuple(pairs))
     if not out:
         raise ValueError("--systems: no system named")
     return out
@@ -735,8 +737,7 @@ def run_e2e(
         # is left out of its rate; kt_ft/llamafactory/profile.py)
         env = {"KT_FT_PROFILE": str(Path(prof_root) / run_dir.name)} if prof_root else {}
         env["KT_FT_HOST_TIME"] = "1"  # every system's host time a step, unprofiled (``host_time.py``)
-        if system.setting is not None:
-            env[system.setting[0]] = system.setting[1]
+        env.update(dict(system.settings))
         if system.kind == "peer":
             path = os.pathsep.join(p for p in (str(peer_site), os.environ.get("PYTHONPATH", "")) if p)
             env = {"PYTHONPATH": path, "KT_FT_DISABLE": "1"}

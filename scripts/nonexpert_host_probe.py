@@ -1,0 +1,106 @@
+"""Host time of a training step's non-expert work, PEFT/transformers as shipped against kt-ft's
+fused LoRA linears (kt_ft/lora/linear.py) and RMSNorm (kt_ft/models/rms_norm.py).
+
+A Qwen3-30B-A3B-shaped model (attention, norms, PEFT LoRA r 8 on every attention linear) with
+tiny experts, run at few tokens so the GPU's work is small and the wall time of a step is the
+host's: forward and backward under bf16 autocast, gradient checkpointing per layer (reentrant,
+as LLaMA-Factory runs it), the GPU drained once every ``--iters`` steps. Prints ms a step and a
+layer for each variant, the variants interleaved over ``--rounds``.
+
+    python scripts/nonexpert_host_probe.py [--layers 4] [--tokens 64] [--iters 50] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+
+def _model(layers: int, device: str):
+    import peft
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=1024,
+        hidden_size=2048,
+        intermediate_size=768,
+        moe_intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    model = transformers.Qwen3MoeForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()  # LLaMA-Factory's fp32 LoRA parameters under bf16 autocast
+    model.train()
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    from kt_ft.lora.linear import install_fused_lora
+    from kt_ft.models.rms_norm import install_fused_rms_norm
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = _model(args.layers, device)
+    variants = {"as shipped": base}
+    variants["fused LoRA"] = copy.deepcopy(base)
+    install_fused_lora(variants["fused LoRA"])
+    variants["fused norm"] = copy.deepcopy(base)
+    install_fused_rms_norm(variants["fused norm"])
+    variants["both"] = copy.deepcopy(base)
+    install_fused_lora(variants["both"])
+    install_fused_rms_norm(variants["both"])
+    ids = torch.randint(0, 1024, (1, args.tokens), device=device)
+
+    def step(model):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    losses = {name: step(m).item() for name, m in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, model in variants.items():
+            for _ in range(3):
+                step(model)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                step(model)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
+    ref = statistics.median(times["as shipped"])
+    print(
+        f"{device}, {args.layers} layers, {args.tokens} tokens, median of {args.rounds} rounds of {args.iters} steps"
+    )
+    print("| variant | ms a step | ms a layer | x as shipped | first loss |")
+    print("|---|---|---|---|---|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med:.2f} | {med / args.layers:.3f} | {med / ref:.3f} | {losses[name]:.6f} |")
+
+
+if __name__ == "__main__":
+    main()
