@@ -123,6 +123,13 @@ _ALL = (
         "numerics",
     ),
     Setting(
+        "KT_FT_FUSED_ROPE",
+        "1",
+        "0: the rotary embedding of q and k runs transformers' own apply_rotary_pos_emb (14 operators) instead "
+        "of one autograd node (kt_ft/models/rotary.py)",
+        "numerics",
+    ),
+    Setting(
         "KT_FT_LORA_BMM",
         "1",
         "0: the torch CPU backend computes the expert LoRA one expert at a time",

@@ -1,5 +1,6 @@
 """Host time of a training step's non-expert work, PEFT/transformers as shipped against kt-ft's
-fused LoRA linears (kt_ft/lora/linear.py) and RMSNorm (kt_ft/models/rms_norm.py).
+fused LoRA linears (kt_ft/lora/linear.py), RMSNorm (kt_ft/models/rms_norm.py) and rotary
+embedding (kt_ft/models/rotary.py).
 
 A Qwen3-30B-A3B-shaped model (attention, norms, PEFT LoRA r 8 on every attention linear) with
 tiny experts, run at few tokens so the GPU's work is small and the wall time of a step is the
@@ -58,17 +59,20 @@ def main() -> None:
     args = ap.parse_args()
     from kt_ft.lora.linear import install_fused_lora
     from kt_ft.models.rms_norm import install_fused_rms_norm
+    from kt_ft.models.rotary import install_fused_rotary, uninstall_fused_rotary
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base = _model(args.layers, device)
-    variants = {"as shipped": base}
-    variants["fused LoRA"] = copy.deepcopy(base)
-    install_fused_lora(variants["fused LoRA"])
-    variants["fused norm"] = copy.deepcopy(base)
-    install_fused_rms_norm(variants["fused norm"])
-    variants["both"] = copy.deepcopy(base)
-    install_fused_lora(variants["both"])
-    install_fused_rms_norm(variants["both"])
+    # name -> (model, rotary fused): the rotary function is a module global, installed around each use
+    variants = {"as shipped": (base, False)}
+    variants["fused LoRA"] = (copy.deepcopy(base), False)
+    install_fused_lora(variants["fused LoRA"][0])
+    variants["fused norm"] = (copy.deepcopy(base), False)
+    install_fused_rms_norm(variants["fused norm"][0])
+    variants["fused rotary"] = (base, True)
+    variants["all three"] = (copy.deepcopy(base), True)
+    install_fused_lora(variants["all three"][0])
+    install_fused_rms_norm(variants["all three"][0])
     ids = torch.randint(0, 1024, (1, args.tokens), device=device)
 
     def step(model):
@@ -77,10 +81,18 @@ def main() -> None:
         loss.backward()
         return loss.detach()
 
-    losses = {name: step(m).item() for name, m in variants.items()}
+    def use(name):
+        model, rotary = variants[name]
+        uninstall_fused_rotary()
+        if rotary:
+            install_fused_rotary(model)
+        return model
+
+    losses = {name: step(use(name)).item() for name in variants}
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
-        for name, model in variants.items():
+        for name in variants:
+            model = use(name)
             for _ in range(3):
                 step(model)
             if device == "cuda":

@@ -16,6 +16,16 @@ def _whole_gpu_allocator():
         torch.cuda.set_per_process_memory_fraction(1.0)
 
 
+@pytest.fixture(autouse=True)
+def _family_rotary_restored():
+    """A kt-ft run in this process replaces transformers' ``apply_rotary_pos_emb`` (models/rotary.py);
+    the tests after it get the families' own function back."""
+    yield
+    from kt_ft.models.rotary import uninstall_fused_rotary
+
+    uninstall_fused_rotary()
+
+
 @pytest.fixture
 def rng():
     """A fresh, seeded generator per test: inputs are random but the run is reproducible."""

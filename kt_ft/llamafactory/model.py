@@ -28,6 +28,7 @@ from ..log import fmt_bytes, get_logger
 from ..lora.linear import install_fused_lora
 from ..models import family_of
 from ..models.rms_norm import install_fused_rms_norm
+from ..models.rotary import install_fused_rotary
 from ..moe.loading import plan_expert_reader, planned_device_map
 from ..moe.shared_weights import meta_device_map, share_expert_weights, sharing_enabled
 from ..processes import threads_per_rank, topology
@@ -244,6 +245,7 @@ def attach_kt(model: Any, model_args: Any, finetuning_args: Any, is_trainable: b
     _hook_load_adapter(model, info, experts_trainable)
     install_fused_lora(model)  # PEFT's LoRA linears as one autograd node each (KT_FT_FUSED_LORA)
     install_fused_rms_norm(model)  # RMSNorm through torch's rms_norm (KT_FT_FUSED_NORM)
+    install_fused_rotary(model)  # q and k's rotary embedding as one autograd node (KT_FT_FUSED_ROPE)
     gpu_bytes = sum(
         p.numel() * p.element_size()
         for n, p in model.named_parameters()

@@ -42,13 +42,17 @@ class FusedLoRALinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float, dtype: torch.dtype):
+        # every call here costs the host a dispatch (the step is host-bound): no-op casts are skipped in Python
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        w = weight.to(dtype)
-        a = lora_a.to(dtype)
-        b = lora_b.to(dtype)
-        xa = x2 @ a.t()  # [N, r]
-        y = F.linear(x2, w, None if bias is None else bias.to(dtype))  # [N, out]
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.dtype == dtype else x2.to(dtype)
+        w = weight if weight.dtype == dtype else weight.to(dtype)
+        a = lora_a if lora_a.dtype == dtype else lora_a.to(dtype)
+        b = lora_b if lora_b.dtype == dtype else lora_b.to(dtype)
+        if bias is not None and bias.dtype != dtype:
+            bias = bias.to(dtype)
+        xa = F.linear(x2, a)  # [N, r]
+        y = F.linear(x2, w, bias)  # [N, out]
         y.addmm_(xa, b.t(), alpha=scaling)  # the LoRA term inside the product's accumulator
         ctx.save_for_backward(x2, w, a, b, xa)
         ctx.scaling, ctx.x_dtype, ctx.a_dtype, ctx.b_dtype = scaling, x.dtype, lora_a.dtype, lora_b.dtype
@@ -59,13 +63,15 @@ class FusedLoRALinear(torch.autograd.Function):
     def backward(ctx, grad):
         x2, w, a, b, xa = ctx.saved_tensors
         s = ctx.scaling
-        g = grad.reshape(-1, grad.shape[-1]).to(x2.dtype)  # [N, out]
+        g = grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])  # [N, out]
+        g = g if g.dtype == x2.dtype else g.to(x2.dtype)
         gb = g @ b  # [N, r]: the gradient at x A^T, before the scaling
         dx = da = db = None
         if ctx.needs_input_grad[0]:
             dx = g @ w  # [N, in]
             dx.addmm_(gb, a, alpha=s)
-            dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+            dx = dx.view(ctx.x_shape)
+            dx = dx if dx.dtype == ctx.x_dtype else dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[3]:
             da = (gb.t() @ x2).to(ctx.a_dtype).mul_(s)  # [r, in]
         if ctx.needs_input_grad[4]:

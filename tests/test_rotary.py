@@ -1,0 +1,134 @@
+"""The fused rotary embedding (kt_ft/models/rotary.py) against transformers' apply_rotary_pos_emb.
+
+Reference: the family's own function (kept as ``_kt_ft_original``) on the same fresh random inputs
+(seed printed), outputs and gradients of q and k. Tolerances: fp32 1e-5 relative to the largest
+value; bf16 one rounding step (1e-2).
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kt_ft.models.rotary import install_fused_rotary, uninstall_fused_rotary  # noqa: E402
+
+
+def _seed() -> int:
+    seed = int.from_bytes(os.urandom(3), "little")
+    print(f"seed {seed}")
+    return seed
+
+
+def _tiny(family="qwen3_moe"):
+    if family == "glm4_moe":
+        cfg = transformers.Glm4MoeConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            partial_rotary_factor=0.5,
+        )
+        return transformers.Glm4MoeForCausalLM(cfg)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+def _close(a, b, tol, what):
+    err = (a.float() - b.float()).abs().max().item()
+    scale = b.float().abs().max().item() + 1e-12
+    assert err <= tol * scale, (
+        f"{what}: max error {err:.3g} against max {scale:.3g} (tolerance {tol} relative)"
+    )
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fused_rotary_matches_the_familys_function(dtype, tol, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as family
+
+    gen = torch.Generator().manual_seed(_seed())
+    own = family.apply_rotary_pos_emb
+    assert install_fused_rotary(_tiny()) == ["transformers.models.qwen3_moe.modeling_qwen3_moe"]
+    try:
+        fused = family.apply_rotary_pos_emb
+        assert fused is not own and fused._kt_ft_original is own
+        q = torch.randn(2, 8, 7, 16, generator=gen).to(device=device, dtype=dtype)
+        k = torch.randn(2, 2, 7, 16, generator=gen).to(device=device, dtype=dtype)
+        angle = torch.randn(2, 7, 8, generator=gen) * 3
+        cos = torch.cat((angle, angle), -1).cos().to(device=device, dtype=dtype)
+        sin = torch.cat((angle, angle), -1).sin().to(device=device, dtype=dtype)
+        weights = (
+            torch.randn(2, 8, 7, 16, generator=gen).to(device),
+            torch.randn(2, 2, 7, 16, generator=gen).to(device),
+        )
+        results = []
+        for fn in (own, fused):
+            qi, ki = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+            qo, ko = fn(qi, ki, cos, sin)
+            ((qo.float() * weights[0]).sum() + (ko.float() * weights[1]).sum()).backward()
+            results.append((qo.detach(), ko.detach(), qi.grad, ki.grad))
+        for a, b, what in zip(results[1], results[0], ("q", "k", "q gradient", "k gradient")):
+            assert a.dtype == b.dtype, what
+            _close(a, b, tol, what)
+    finally:
+        uninstall_fused_rotary()
+    assert family.apply_rotary_pos_emb is own
+
+
+def test_partial_rotary_and_off_keep_the_familys_function(monkeypatch):
+    """GLM-4.5 rotates part of each head: its calls go to its own function, with the same result."""
+    gen = torch.Generator().manual_seed(_seed())
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    ref = _tiny("glm4_moe")
+    ids = torch.randint(0, 96, (1, 9), generator=gen)
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        install_fused_rotary(ref)
+        got = ref(input_ids=ids).logits
+    uninstall_fused_rotary()
+    assert torch.equal(got, want)
+    monkeypatch.setenv("KT_FT_FUSED_ROPE", "0")
+    assert install_fused_rotary(_tiny()) == []
+
+
+def test_a_tiny_moe_trains_the_same_with_the_fused_rotary():
+    gen = torch.Generator().manual_seed(_seed())
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    ref = _tiny()
+    twin = copy.deepcopy(ref)
+    ids = torch.randint(0, 96, (2, 11), generator=gen)
+    losses, grads = [], []
+    for model in (ref, twin):
+        if model is twin:
+            assert install_fused_rotary(twin)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    uninstall_fused_rotary()
+    _close(losses[1], losses[0], 1e-5, "loss")
+    for name in grads[0]:
+        _close(grads[1][name], grads[0][name], 1e-4, name)
