@@ -93,6 +93,10 @@ def test_fused_rotary_matches_the_familys_function(dtype, tol, device):
         for a, b, what in zip(results[1], results[0], ("q", "k", "q gradient", "k gradient")):
             assert a.dtype == b.dtype, what
             _close(a, b, tol, what)
+        # heads after the tokens ([B, T, H, D]): the call names unsqueeze_dim
+        qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+        for a, b in zip(fused(qt, kt, cos, sin, unsqueeze_dim=2), own(qt, kt, cos, sin, unsqueeze_dim=2)):
+            _close(a, b, tol, "q, k with unsqueeze_dim=2")
     finally:
         uninstall_fused_rotary()
     assert family.apply_rotary_pos_emb is own

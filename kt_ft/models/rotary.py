@@ -10,7 +10,7 @@ roll(g (s sin), -D/2). The result differs from transformers' by one bf16 roundin
 
 Which functions: a family module's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` is
 replaced only after it agreed with the replacement on random inputs; calls with a rotary part
-narrower than the head (partial rotary) or other arguments go to the family's own function.
+narrower than the head (partial rotary) or other arguments (position ids) go to the family's own.
 ``KT_FT_FUSED_ROPE=0`` keeps every family's own.
 """
 
@@ -58,19 +58,21 @@ class RotaryQK(torch.autograd.Function):
 
 
 def _replacement(original):
-    sig = inspect.signature(original)
+    """kt-ft's function for the calls of the plain form, ``f(q, k, cos, sin[, unsqueeze_dim=...])``
+    (how the attention modules call it); any other call goes to ``original``."""
+    param = inspect.signature(original).parameters.get("unsqueeze_dim")
+    default_dim = (
+        param.default if param is not None and param.default is not inspect.Parameter.empty else None
+    )
 
     def apply_rotary_pos_emb(*args, **kwargs):
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except TypeError:
+        # no signature binding here: this runs twice a layer and pass in a host-bound step
+        if len(args) != 4 or default_dim is None or (kwargs and kwargs.keys() != {"unsqueeze_dim"}):
             return original(*args, **kwargs)
-        a = bound.arguments
-        extra = set(a) - {"q", "k", "cos", "sin", "unsqueeze_dim"}
-        q, k, cos, sin = a.get("q"), a.get("k"), a.get("cos"), a.get("sin")
-        if extra or q is None or cos is None or cos.shape[-1] != q.shape[-1] or q.shape[-1] % 2:
-            return original(*args, **kwargs)  # partial rotary, position ids, other forms
-        dim = a.get("unsqueeze_dim", 1)
+        q, k, cos, sin = args
+        if cos.shape[-1] != q.shape[-1] or q.shape[-1] % 2:
+            return original(*args, **kwargs)  # partial rotary: the family's own
+        dim = kwargs.get("unsqueeze_dim", default_dim)
         return RotaryQK.apply(q, k, cos.unsqueeze(dim), sin.unsqueeze(dim))
 
     apply_rotary_pos_emb._kt_ft_original = original
@@ -115,12 +117,15 @@ def install_fused_rotary(model: torch.nn.Module) -> list[str]:
         else:
             kept.append(name)
     if patched or kept:
-        short = lambda ns: ", ".join(n.rsplit(".", 1)[-1] for n in ns)  # noqa: E731
         logger.info(
-            f"rotary embedding: {short(patched) or 'none'} through one autograd node (KT_FT_FUSED_ROPE=0: "
-            "transformers' own)" + (f"; transformers' own kept for {short(kept)}" if kept else "")
+            f"rotary embedding: {_short(patched) or 'none'} through one autograd node (KT_FT_FUSED_ROPE=0: "
+            "transformers' own)" + (f"; transformers' own kept for {_short(kept)}" if kept else "")
         )
     return patched
+
+
+def _short(modules: list[str]) -> str:
+    return ", ".join(name.rsplit(".", 1)[-1] for name in modules)
 
 
 def uninstall_fused_rotary() -> None:
