@@ -2,13 +2,13 @@
 fused LoRA linears (kt_ft/lora/linear.py), RMSNorm (kt_ft/models/rms_norm.py) and rotary
 embedding (kt_ft/models/rotary.py).
 
-A Qwen3-30B-A3B-shaped model (attention, norms, PEFT LoRA r 8 on every attention linear) with
-tiny experts, run at few tokens so the GPU's work is small and the wall time of a step is the
+A model of a bench preset's config (attention, norms, PEFT LoRA r 8 on every linear layer; for
+Qwen3-30B-A3B the attention's four) with tiny experts, run at few tokens so the GPU's work is small and the wall time of a step is the
 host's: forward and backward under bf16 autocast, gradient checkpointing per layer (reentrant,
 as LLaMA-Factory runs it), the GPU drained once every ``--iters`` steps. Prints ms a step and a
 layer for each variant, the variants interleaved over ``--rounds``.
 
-    python scripts/nonexpert_host_probe.py [--layers 4] [--tokens 64] [--iters 50] [--rounds 3]
+    python scripts/nonexpert_host_probe.py [--preset qwen3-30b-a3b] [--layers 4] [--tokens 64] [--iters 50] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -21,28 +21,24 @@ import time
 import torch
 
 
-def _model(layers: int, device: str):
+def _model(preset: str, layers: int, device: str):
+    """The preset's real config (kt_ft/bench/models.py) at ``layers`` layers, with 8 experts of 64
+    columns and a 1,024-token vocabulary: the non-expert work at its real shapes."""
     import peft
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=1024,
-        hidden_size=2048,
-        intermediate_size=768,
-        moe_intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=8,
-        num_experts_per_tok=2,
-    )
-    model = transformers.Qwen3MoeForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+    from kt_ft.bench.models import MODEL_CONFIGS
+
+    model_type, real = MODEL_CONFIGS[preset]
+    cfg = {**real, "num_hidden_layers": layers, "vocab_size": 1024, "moe_intermediate_size": 64}
+    cfg.update({key: 8 for key in ("num_experts", "n_routed_experts") if key in real})
+    cfg["num_experts_per_tok"] = 2
+    config = transformers.AutoConfig.for_model(model_type, **cfg)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=torch.bfloat16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
-    model = peft.get_peft_model(
-        model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    )
+    # every linear layer but lm_head (LLaMA-Factory's `lora_target: all`): for Qwen3-MoE q, k, v, o
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()  # LLaMA-Factory's fp32 LoRA parameters under bf16 autocast
@@ -52,6 +48,7 @@ def _model(layers: int, device: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3-30b-a3b", help="qwen3-30b-a3b or deepseek-v2-lite")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--iters", type=int, default=50)
@@ -62,7 +59,7 @@ def main() -> None:
     from kt_ft.models.rotary import install_fused_rotary, uninstall_fused_rotary
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    base = _model(args.layers, device)
+    base = _model(args.preset, args.layers, device)
     # name -> (model, rotary fused): the rotary function is a module global, installed around each use
     variants = {"as shipped": (base, False)}
     variants["fused LoRA"] = (copy.deepcopy(base), False)
@@ -105,7 +102,8 @@ def main() -> None:
             times[name].append((time.perf_counter() - t0) / args.iters * 1e3)
     ref = statistics.median(times["as shipped"])
     print(
-        f"{device}, {args.layers} layers, {args.tokens} tokens, median of {args.rounds} rounds of {args.iters} steps"
+        f"{args.preset}, {device}, {args.layers} layers, {args.tokens} tokens, median of {args.rounds} rounds of "
+        f"{args.iters} steps"
     )
     print("| variant | ms a step | ms a layer | x as shipped | first loss |")
     print("|---|---|---|---|---|")

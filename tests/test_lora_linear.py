@@ -7,20 +7,16 @@ LoRA term to bf16 before its add, the fused node adds it in the product's fp32 a
 """
 
 import copy
-import os
 
 import pytest
 import torch
+from compare import assert_close as _close
+from compare import assert_trains_alike
+from compare import fresh_seed as _seed
 
 peft = pytest.importorskip("peft")
 
 from kt_ft.lora.linear import install_fused_lora  # noqa: E402
-
-
-def _seed() -> int:
-    seed = int.from_bytes(os.urandom(3), "little")
-    print(f"seed {seed}")
-    return seed
 
 
 class _Net(torch.nn.Module):
@@ -52,14 +48,6 @@ def _run(model, x, autocast=None):
     (y.float() * torch.linspace(-1, 1, y.shape[-1], device=y.device)).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return y.detach().float(), x.grad.float(), grads
-
-
-def _close(a, b, tol, what):
-    err = (a.float() - b.float()).abs().max().item()
-    scale = b.float().abs().max().item() + 1e-12
-    assert err <= tol * scale, (
-        f"{what}: max error {err:.3g} against max {scale:.3g} (tolerance {tol} relative)"
-    )
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -125,22 +113,11 @@ def test_calls_fused_lora_cannot_take_go_through_peft(monkeypatch):
 
 def test_fused_lora_trains_a_tiny_moe_like_peft():
     """A whole tiny Qwen3-MoE under PEFT (every linear), loss and every LoRA gradient."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from tiny_models import tiny_model
+
     gen = torch.Generator().manual_seed(_seed())
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
-    base = transformers.Qwen3MoeForCausalLM(cfg)
+    base = tiny_model("qwen3_moe", seed=int(torch.randint(0, 2**31 - 1, (), generator=gen)))
     ref = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     for name, p in ref.named_parameters():
         if "lora_B" in name:
@@ -148,14 +125,5 @@ def test_fused_lora_trains_a_tiny_moe_like_peft():
     fused = copy.deepcopy(ref)
     count, _ = install_fused_lora(fused)
     assert count >= 8  # q, k, v, o of both layers at least
-    ids = torch.randint(0, 128, (2, 12), generator=gen)
-    losses, grads = [], []
-    for model in (ref, fused):
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        losses.append(out.loss.detach())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    _close(losses[1], losses[0], 1e-5, "loss")
-    assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        _close(grads[1][name], grads[0][name], 1e-4, name)
+    ids = torch.randint(0, base.config.vocab_size, (2, 12), generator=gen)
+    assert_trains_alike(ref, fused, ids)

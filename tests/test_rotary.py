@@ -6,60 +6,23 @@ value; bf16 one rounding step (1e-2).
 """
 
 import copy
-import os
 
 import pytest
 import torch
+from compare import assert_close as _close
+from compare import assert_trains_alike
+from compare import fresh_seed as _seed
 
 transformers = pytest.importorskip("transformers")
 
 from kt_ft.models.rotary import install_fused_rotary, uninstall_fused_rotary  # noqa: E402
 
 
-def _seed() -> int:
-    seed = int.from_bytes(os.urandom(3), "little")
-    print(f"seed {seed}")
-    return seed
+def _tiny(family="qwen3_moe", seed=0):
+    from tiny_models import tiny_model
 
-
-def _tiny(family="qwen3_moe"):
-    if family == "glm4_moe":
-        cfg = transformers.Glm4MoeConfig(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=48,
-            moe_intermediate_size=16,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
-            partial_rotary_factor=0.5,
-        )
-        return transformers.Glm4MoeForCausalLM(cfg)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-    )
-    return transformers.Qwen3MoeForCausalLM(cfg)
-
-
-def _close(a, b, tol, what):
-    err = (a.float() - b.float()).abs().max().item()
-    scale = b.float().abs().max().item() + 1e-12
-    assert err <= tol * scale, (
-        f"{what}: max error {err:.3g} against max {scale:.3g} (tolerance {tol} relative)"
-    )
+    # GLM-4.5 rotates part of each head
+    return tiny_model(family, seed=seed, **({"partial_rotary_factor": 0.5} if family == "glm4_moe" else {}))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -105,9 +68,8 @@ def test_fused_rotary_matches_the_familys_function(dtype, tol, device):
 def test_partial_rotary_and_off_keep_the_familys_function(monkeypatch):
     """GLM-4.5 rotates part of each head: its calls go to its own function, with the same result."""
     gen = torch.Generator().manual_seed(_seed())
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
-    ref = _tiny("glm4_moe")
-    ids = torch.randint(0, 96, (1, 9), generator=gen)
+    ref = _tiny("glm4_moe", seed=int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    ids = torch.randint(0, ref.config.vocab_size, (1, 9), generator=gen)
     with torch.no_grad():
         want = ref(input_ids=ids).logits
         install_fused_rotary(ref)
@@ -120,19 +82,10 @@ def test_partial_rotary_and_off_keep_the_familys_function(monkeypatch):
 
 def test_a_tiny_moe_trains_the_same_with_the_fused_rotary():
     gen = torch.Generator().manual_seed(_seed())
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
-    ref = _tiny()
+    ref = _tiny(seed=int(torch.randint(0, 2**31 - 1, (), generator=gen)))
     twin = copy.deepcopy(ref)
-    ids = torch.randint(0, 96, (2, 11), generator=gen)
-    losses, grads = [], []
-    for model in (ref, twin):
-        if model is twin:
-            assert install_fused_rotary(twin)
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        losses.append(out.loss.detach())
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    ids = torch.randint(0, ref.config.vocab_size, (2, 11), generator=gen)
+    installed = []
+    assert_trains_alike(ref, twin, ids, before_twin=lambda: installed.extend(install_fused_rotary(twin)))
     uninstall_fused_rotary()
-    _close(losses[1], losses[0], 1e-5, "loss")
-    for name in grads[0]:
-        _close(grads[1][name], grads[0][name], 1e-4, name)
+    assert installed == ["transformers.models.qwen3_moe.modeling_qwen3_moe"]
