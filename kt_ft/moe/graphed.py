@@ -238,6 +238,18 @@ def _capture_into(g: torch.cuda.CUDAGraph, ws: Workspace, device):
         torch.cuda.set_stream(caller)
 
 
+@contextlib.contextmanager
+def _warm_up_stream(device):
+    """Run a capture's warm-up on a fresh side stream of ``device``, ordered after the caller's
+    stream's work and before its later work (lazy initialisations stay out of the capture)."""
+    caller = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(caller)
+    with torch.cuda.stream(side):
+        yield
+    caller.wait_stream(side)
+
+
 def _end_pool_allocation(device: torch.device, pool) -> None:
     """End routing ``device``'s allocations to ``pool`` if a failed capture left it on (no-op when
     ``capture_end`` got that far, or on a PyTorch without the hook)."""
@@ -478,11 +490,8 @@ class LayerGraphs:
         try:
             # warm-up on a side stream (lazy initialisations stay out of the capture); its tensors
             # size the static buffers
-            side = torch.cuda.Stream(x.device)
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side), torch.no_grad():
+            with _warm_up_stream(x.device), torch.no_grad():
                 out, counts, saved, _ = self._forward_body(x, local, weights, lora, k)
-            torch.cuda.current_stream(x.device).wait_stream(side)
             nbytes = sum(t.numel() * t.element_size() for t in (out, *saved) if t is not None)
             if not self._room(x, nbytes):
                 _log_once("room", "CUDA graphs of resident experts: not captured, too little free GPU memory")
@@ -603,11 +612,8 @@ class LayerGraphs:
         try:
             go.copy_(grad_out)
             dev = go.device
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side), torch.no_grad():
+            with _warm_up_stream(dev), torch.no_grad():
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
-            torch.cuda.current_stream(dev).wait_stream(side)
             dst = {n: ws.buffer(n, g) for n, g in zip(_GRAD_NAMES, grads) if g is not None}
             del grads
             g = torch.cuda.CUDAGraph()
