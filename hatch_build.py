@@ -1,5 +1,5 @@
 """Hatch build hook: ship the start-up `.pth` that activates kt-ft inside LLaMA-Factory, and
-compile kt-ft's C++ CPU kernels (`kernels/*.cpp`) into `kt_ft/kernels/_native/`.
+compile kt-ft's C++ CPU kernels (`kernels/*.cpp`) into `kt_ft/backends/_native/`.
 
 The `.pth` file must sit at the root of site-packages, which `force-include` in pyproject
 reaches for normal wheels only; editable wheels need `force_include_editable`.
@@ -19,15 +19,15 @@ from pathlib import Path
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
-PTH = "kt_ft/_activate.pth"
+PTH = "kt_ft/integrations/_activate.pth"
 TARGET = "kt_ft_activate.pth"
-NATIVE_DIR = "kt_ft/kernels/_native"
+NATIVE_DIR = "kt_ft/backends/_native"
 
 
 def _native_build(root: Path):
-    """kt_ft/kernels/native_build.py loaded by path: kt_ft itself (torch) is not importable here."""
+    """kt_ft/backends/native_build.py loaded by path: kt_ft itself (torch) is not importable here."""
     spec = importlib.util.spec_from_file_location(
-        "_ktft_native_build", root / "kt_ft/kernels/native_build.py"
+        "_ktft_native_build", root / "kt_ft/backends/native_build.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

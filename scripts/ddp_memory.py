@@ -7,7 +7,7 @@ H 128, I 1536, fp32: 302 MB of expert weights), then for each process count runs
 
 with ``KT_FT_MEMORY_REPORT`` set: at the end of training every rank writes its
 ``/proc/self/smaps_rollup`` figures and those of the shared expert mapping (see
-``kt_ft/memory.py``), all ranks at the same moment. Prints one table row per rank and a total
+``kt_ft/runtime/memory.py``), all ranks at the same moment. Prints one table row per rank and a total
 per run. PSS summed over a machine's processes is their real memory: it should grow by the
 per-process overhead (torch, LLaMA-Factory, non-expert weights), not by one expert copy per rank.
 
@@ -36,7 +36,7 @@ MiB = 2**20
 def build_model(work: Path, overrides: dict) -> Path:
     demo = work / "demo"
     if not (demo / "model" / "config.json").is_file():
-        from kt_ft.demo import make_demo_model
+        from kt_ft.integrations.demo.text import make_demo_model
 
         make_demo_model(demo, **overrides)
     return demo

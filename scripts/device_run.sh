@@ -37,7 +37,7 @@ THREADS=${THREADS:-$(nproc)}
 } 2>&1 | tee "$OUT/env.txt"
 # env: SEQ, THREADS; placement: CAPS, PLACEMENTS, PLACEMENT_LAYERS, PLACEMENT_SYSTEMS (peft-gpu; kt-ft: without it),
 # PROFILE_DIR; step: STEP_LAYERS, SYSTEMS, BACKENDS, STEP_PRESETS; KT_FT_BENCH_REPLAN=0 / KT_FT_BENCH_TRACE=1
-# pass through to the bench workers (kt_ft/bench/step.py)
+# pass through to the bench workers (kt_ft/integrations/bench/step.py)
 # TESTS: other test files / node ids, TEST_K: a pytest -k expression (e.g. TEST_K=cuda)
 TESTS=${TESTS:-tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_placement_runtime.py tests/test_grouped_device.py tests/test_graphed.py tests/test_loading.py tests/test_load_memory.py}
 # shellcheck disable=SC2086
@@ -45,15 +45,15 @@ TESTS=${TESTS:-tests/test_kernels.py tests/test_parity.py tests/test_gpu.py test
   ${TEST_K:+-k "$TEST_K"} $TESTS 2>&1 | tee "$OUT/pytest.log"
 # issue 8: tokens/s against the GPU memory cap for all-CPU, all-streamed, auto and all-GPU, predicted beside measured
 [[ ${PROFILE:-1} == 1 ]] && export KT_FT_BENCH_PROFILE=${PROFILE_DIR:-$OUT/prof}  # PROFILE=0: no profiled step
-[[ $PARTS == *placement* ]] && timeout "${PLACEMENT_TIMEOUT:-580}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" \
+[[ $PARTS == *placement* ]] && timeout "${PLACEMENT_TIMEOUT:-580}" python3 -m kt_ft bench --preset "${PRESET:-qwen3-30b-a3b}" \
   --parts placement --layers "${PLACEMENT_LAYERS:-4}" --seq "${SEQ:-2048}" --threads "$THREADS" --caps "${CAPS:-24,38,80}" \
   --placements "${PLACEMENTS:-cpu,auto,stream}" --systems "${PLACEMENT_SYSTEMS:-peft-gpu}" \
   --json "$OUT/placement.json" --plot "$OUT/placement.png" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|run/s\]$" | tee "$OUT/placement.log"
-[[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "${PRESET:-qwen3-30b-a3b}" --parts op \
+[[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft bench --preset "${PRESET:-qwen3-30b-a3b}" --parts op \
   --tokens "${TOKENS:-512,2048,4096}" --threads "$THREADS" --repeat 2 --json "$OUT/bench.json" 2>&1 \
   | tr '\r' '\n' | grep -v "it/s\]$\|case/s\]$" | tee "$OUT/bench.log"
 for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
-  [[ $PARTS == *step* ]] && timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft.cli bench --preset "$preset" --parts step \
+  [[ $PARTS == *step* ]] && timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft bench --preset "$preset" --parts step \
     --layers "${STEP_LAYERS:-2,4}" --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/step-$preset.json" \
     --systems "${SYSTEMS:-kt-ft,kt-ft-stream,kt-ft-auto,peft-gpu,offload}" ${BACKENDS:+--backends "$BACKENDS"} 2>&1 \
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/step-$preset.log"
@@ -66,7 +66,7 @@ done
 [[ ${E2E_PROFILE:-0} == 1 ]] && export KT_FT_PROFILE=/tmp/e2e-prof
 for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
   [[ ",$PARTS," == *,e2e,* ]] || break
-  timeout "${E2E_TIMEOUT:-570}" python3 -m kt_ft.cli bench --parts e2e --preset "$preset" ${E2E_LAYERS:+--layers "$E2E_LAYERS"} \
+  timeout "${E2E_TIMEOUT:-570}" python3 -m kt_ft bench --parts e2e --preset "$preset" ${E2E_LAYERS:+--layers "$E2E_LAYERS"} \
     --threads "$THREADS" --e2e-steps "${E2E_STEPS:-5}" --workdir "/tmp/e2e-$preset" --json "$OUT/e2e-$preset.json" \
     ${E2E_SYSTEMS:+--e2e-systems "$E2E_SYSTEMS"} ${PEER_SITE:+--peer-site "$PEER_SITE"} \
     ${E2E_LENGTHS:+--e2e-lengths "$E2E_LENGTHS"} ${E2E_ROUNDS:+--e2e-rounds "$E2E_ROUNDS"} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|s/it\]$" | tee "$OUT/e2e-$preset.log"
@@ -84,7 +84,7 @@ done
 if [[ ",$PARTS," == *,gen,* ]]; then
   df -h /tmp /dev/shm | tee "$OUT/gen-df.txt"
   shm=$(df --output=avail -B1G /dev/shm | tail -1)
-  timeout "${GEN_TIMEOUT:-570}" python3 -m kt_ft.cli bench --parts gen --preset "${GEN_PRESET:-deepseek-v2-lite}" \
+  timeout "${GEN_TIMEOUT:-570}" python3 -m kt_ft bench --parts gen --preset "${GEN_PRESET:-deepseek-v2-lite}" \
     ${GEN_LAYERS:+--layers "$GEN_LAYERS"} --gen-system "${GEN_SYSTEM:-kt-auto}" --threads "$THREADS" \
     --workdir /tmp/gen-run --json "$OUT/gen.json" ${GEN_ARGS:-} \
     $( ((shm > 40)) && echo --gen-merged-dir /dev/shm/kt-gen-merged) 2>&1 | tr '\r' '\n' \
@@ -119,9 +119,9 @@ done
   | tee "$OUT/nonexpert_probe.log"
 [[ ",$PARTS," == *,qprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/q_probe.py --threads "$THREADS" 2>&1 \
   | tee "$OUT/q_probe.log"
-# shared experts beside the CPU op (kt_ft/moe/beside.py): the same kt-ft step with the overlap off / on
+# shared experts beside the CPU op (kt_ft/runtime/beside.py): the same kt-ft step with the overlap off / on
 for ov in 0 1; do
-  [[ $PARTS == *overlap* ]] && KT_FT_OVERLAP_SHARED=$ov timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft.cli bench \
+  [[ $PARTS == *overlap* ]] && KT_FT_OVERLAP_SHARED=$ov timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft bench \
     --preset "${OVERLAP_PRESET:-deepseek-v2-lite}" --parts step --systems kt-ft --layers "${OVERLAP_LAYERS:-3}" \
     --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/overlap-$ov.json" 2>&1 \
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/overlap-$ov.log"

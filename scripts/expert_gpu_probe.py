@@ -17,11 +17,11 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kt_ft.bench.models import MODEL_CONFIGS
-from kt_ft.kernels import grouped_device as gdev
-from kt_ft.kernels.base import ExpertWeights
-from kt_ft.kernels.grouped_device import Groups, combine_all, fused_backward, fused_forward, stack_lora
-from kt_ft.kernels.grouped_wide import WideExperts
+from kt_ft.backends import grouped_device as gdev
+from kt_ft.backends.base import ExpertWeights
+from kt_ft.backends.grouped_device import Groups, combine_all, fused_backward, fused_forward, stack_lora
+from kt_ft.backends.grouped_wide import WideExperts
+from kt_ft.integrations.bench.models import MODEL_CONFIGS
 
 PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
 TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
@@ -81,7 +81,7 @@ def main() -> None:
     cast = stack_lora(*lora, dt, base.spec)
     grad = torch.randn(T, H, device=dev, dtype=torch.float32)
 
-    # the same weights in the wide layout (kt_ft/kernels/grouped_wide.py: the LoRA beside them)
+    # the same weights in the wide layout (kt_ft/backends/grouped_wide.py: the LoRA beside them)
     wide = WideExperts.from_weights(gate_up, down, RANK, base.spec, dev)
     base_wide = ExpertWeights(wide.gate_up, wide.down, wide=wide)
 

@@ -24,9 +24,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.checkpoint import checkpoint
 
-from kt_ft.bench.models import MODEL_CONFIGS
-from kt_ft.kernels.grouped import GroupedTorchBackend
-from kt_ft.moe.experts import KTExperts
+from kt_ft.backends.grouped import GroupedTorchBackend
+from kt_ft.integrations.bench.models import MODEL_CONFIGS
+from kt_ft.runtime.experts import KTExperts
 
 PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
 TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 2048

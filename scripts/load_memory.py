@@ -12,7 +12,7 @@ subprocess per method and prints one JSON line per method and a table:
 * ``transformers-experts``: the same with every non-expert module on ``meta``: only the routed
   experts are read into RAM, as on the GPU path (where the rest goes to the GPU);
 * ``kt-ft``, ``kt-ft-experts``: the same two maps, routed experts read by kt-ft
-  (``kt_ft.moe.loading.load_planned``: meta in ``from_pretrained``, then ``ExpertStream.fill``).
+  (``kt_ft.runtime.loading.load_planned``: meta in ``from_pretrained``, then ``ExpertStream.fill``).
 
 Measured in the child: after imports and a warm-up load of a tiny model (lazy initialisations
 not counted), VmHWM is reset (``/proc/self/clear_refs``); ``peak`` = VmHWM after loading - VmRSS
@@ -65,9 +65,10 @@ def probe(method: str, model_dir: str, warmup_dir: str | None) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kt_ft.models import family_of
-    from kt_ft.moe import loading
-    from kt_ft.rules import load_rules, resolve_rule_path
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.family import family_of
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.runtime import loading
 
     if warmup_dir:
         AutoModelForCausalLM.from_pretrained(warmup_dir, dtype=torch.bfloat16, device_map={"": "cpu"})

@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-from kt_ft.kernels import native as nt
-from kt_ft.moe.op_timing import best_time
+from kt_ft.backends import native as nt
+from kt_ft.runtime.op_timing import best_time
 
 REPEAT = int(sys.argv[1]) if len(sys.argv) > 1 else 7
 THREADS = int(sys.argv[2]) if len(sys.argv) > 2 else 2

@@ -1,6 +1,6 @@
 """Host time of a training step's non-expert work, PEFT/transformers as shipped against kt-ft's
-fused LoRA linears (kt_ft/lora/linear.py), RMSNorm (kt_ft/models/rms_norm.py) and rotary
-embedding (kt_ft/models/rotary.py).
+fused LoRA linears (kt_ft/backends/lora_linear.py), RMSNorm (kt_ft/backends/rms_norm.py) and rotary
+embedding (kt_ft/backends/rotary.py).
 
 A model of a bench preset's config (attention, norms, PEFT LoRA r 8 on every linear layer; for
 Qwen3-30B-A3B the attention's four) with tiny experts, run at few tokens so the GPU's work is small and the wall time of a step is the
@@ -22,12 +22,12 @@ import torch
 
 
 def _model(preset: str, layers: int, device: str):
-    """The preset's real config (kt_ft/bench/models.py) at ``layers`` layers, with 8 experts of 64
+    """The preset's real config (kt_ft/integrations/bench/models.py) at ``layers`` layers, with 8 experts of 64
     columns and a 1,024-token vocabulary: the non-expert work at its real shapes."""
     import peft
     import transformers
 
-    from kt_ft.bench.models import MODEL_CONFIGS
+    from kt_ft.integrations.bench.models import MODEL_CONFIGS
 
     model_type, real = MODEL_CONFIGS[preset]
     cfg = {**real, "num_hidden_layers": layers, "vocab_size": 1024, "moe_intermediate_size": 64}
@@ -54,9 +54,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from kt_ft.lora.linear import install_fused_lora
-    from kt_ft.models.rms_norm import install_fused_rms_norm
-    from kt_ft.models.rotary import install_fused_rotary, uninstall_fused_rotary
+    from kt_ft.backends.lora_linear import install_fused_lora
+    from kt_ft.backends.rms_norm import install_fused_rms_norm
+    from kt_ft.backends.rotary import install_fused_rotary, uninstall_fused_rotary
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base = _model(args.preset, args.layers, device)

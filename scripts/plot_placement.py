@@ -12,8 +12,8 @@ import argparse
 import json
 from dataclasses import fields
 
-from kt_ft.bench.models import StepRecord
-from kt_ft.bench.placement import plot_placement, print_placement_table
+from kt_ft.integrations.bench.models import StepRecord
+from kt_ft.integrations.bench.placement import plot_placement, print_placement_table
 
 
 def load(paths: list[str]) -> list[StepRecord]:

@@ -8,8 +8,8 @@ import time
 
 import torch
 
-from kt_ft.bench.op import PRESETS, random_layer
-from kt_ft.moe.op_timing import op_step
+from kt_ft.integrations.bench.op import PRESETS, random_layer
+from kt_ft.runtime.op_timing import op_step
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--preset", default="qwen3-30b-a3b")

@@ -12,8 +12,10 @@ import time
 
 import torch
 
-from kt_ft.kernels import ExpertWeights, GroupedTorchBackend, LoraTensors
-from kt_ft.quant import FORMATS, QuantizedExperts
+from kt_ft.backends.base import ExpertWeights, LoraTensors
+from kt_ft.backends.grouped import GroupedTorchBackend
+from kt_ft.backends.quant import FORMATS
+from kt_ft.backends.quant_weights import QuantizedExperts
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=2048)

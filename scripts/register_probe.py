@@ -1,12 +1,12 @@
 """Host -> GPU copy rate from pageable, pinned (allocator) and cudaHostRegister-ed memory: whether
-torch's non_blocking copy of registered rows (kt_ft/moe/streamed.py) gets the pinned rate.
+torch's non_blocking copy of registered rows (kt_ft/runtime/streamed.py) gets the pinned rate.
 Run on the GPU machine: python scripts/register_probe.py"""
 
 import time
 
 import torch
 
-from kt_ft.moe.streamed import is_page_locked
+from kt_ft.runtime.streamed import is_page_locked
 
 n = 1 << 30
 dst = torch.empty(n, dtype=torch.uint8, device="cuda")

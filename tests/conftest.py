@@ -21,7 +21,7 @@ def _family_rotary_restored():
     """A kt-ft run in this process replaces transformers' ``apply_rotary_pos_emb`` (models/rotary.py);
     the tests after it get the families' own function back."""
     yield
-    from kt_ft.models.rotary import uninstall_fused_rotary
+    from kt_ft.backends.rotary import uninstall_fused_rotary
 
     uninstall_fused_rotary()
 
@@ -35,7 +35,7 @@ def rng():
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory):
     """`kt-ft make-demo-model` output (tiny qwen3_moe, tokenizer, dataset), built once per run."""
-    from kt_ft.demo import make_demo_model
+    from kt_ft.integrations.demo.text import make_demo_model
 
     return make_demo_model(tmp_path_factory.mktemp("demo"))
 

@@ -1,4 +1,4 @@
-"""Run by ``tests/test_fsdp.py`` under ``torchrun --nproc-per-node 2`` (gloo, CPU): kt_ft.fsdp's
+"""Run by ``tests/test_fsdp.py`` under ``torchrun --nproc-per-node 2`` (gloo, CPU): kt_ft.runtime.fsdp's
 helpers on a small model sharded with ``fully_shard`` beside a plain (ignored) parameter, against
 the same model unsharded in one process (a plain reference on every rank).
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from kt_ft.fsdp import (
+from kt_ft.runtime.fsdp import (
     clip_grad_norm_,
     copy_full_into,
     full_optimizer_state,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kt_ft.kernels import ExpertSpec, ExpertWeights, LoraTensors
+from kt_ft.backends.base import ExpertSpec, ExpertWeights, LoraTensors
 
 # transformers' GptOssExperts: [E, H, 2I] / [E, I, H], gate/up interleaved, clamped swish (1.702, 7)
 GPT_OSS_SPEC = ExpertSpec("gpt_oss_clamped", transposed=True, interleaved=True)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from kt_adapters import lf_load, logits
 
-from kt_ft.checkpoint import MANIFEST_FILE, verify_adapter_dir
-from kt_ft.errors import KTConfigError
-from kt_ft.moe.experts import KTExperts
-from kt_ft.settings import changed
+from kt_ft.base.errors import KTConfigError
+from kt_ft.base.settings import changed
+from kt_ft.formats.manifest import MANIFEST_FILE, verify_adapter_dir
+from kt_ft.runtime.experts import KTExperts
 
 pytest.importorskip("llamafactory")
 

@@ -1,4 +1,4 @@
-"""``kt_backend: auto`` by measurement (``kt_ft/moe/backend_pick.py``): every CPU backend that runs
+"""``kt_backend: auto`` by measurement (``kt_ft/runtime/backend_pick.py``): every CPU backend that runs
 here timed at the layer's shape, the fastest taken, the figures cached in the placement planner's
 slots; the fixed order where nothing is measured."""
 
@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from kt_ft.moe.backend_pick import pick_backend, runnable
-from kt_ft.placement import measure
-from kt_ft.placement.cost import LayerShape
+from kt_ft.plan.cost import LayerShape
+from kt_ft.runtime import measure
+from kt_ft.runtime.backend_pick import pick_backend, runnable
 
 SHAPE = LayerShape(num_experts=4, hidden=64, inter=32, top_k=2)
 BF16 = torch.bfloat16
@@ -89,9 +89,10 @@ def test_replaced_experts_run_the_measured_choice(cache, monkeypatch, tmp_path):
     backend the (faked) timing put first, the summary says so, and a forward + backward runs."""
     from tiny_models import tiny_model
 
-    from kt_ft.models import FAMILIES
-    from kt_ft.moe.patch import replace_routed_experts
-    from kt_ft.rules import load_rules, make_plan
+    from kt_ft.plan.families import FAMILIES
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.plan.placement import make_plan
+    from kt_ft.runtime.patch import replace_routed_experts
 
     names = runnable(BF16, None)
     if "torch-ep" not in names or len(names) < 2:
@@ -103,7 +104,7 @@ def test_replaced_experts_run_the_measured_choice(cache, monkeypatch, tmp_path):
     plan = make_plan(model, load_rules(rule), FAMILIES["qwen3_moe"], "auto", 1)
     summary = replace_routed_experts(model, plan, 4, 2.0, 64, seed=0)
     assert summary.backend_reason.startswith("auto: torch-ep, the fastest"), summary.backend_reason
-    from kt_ft.moe.experts import KTExperts
+    from kt_ft.runtime.experts import KTExperts
 
     layers = [m for m in model.modules() if isinstance(m, KTExperts)]
     assert layers and all(m.runner.backend.name == "torch-ep" for m in layers)

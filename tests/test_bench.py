@@ -16,7 +16,7 @@ import pytest
 def test_bench_tiny_writes_records(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "tiny", "--parts", "op", "--tokens", "32",
+        [sys.executable, "-m", "kt_ft.integrations.cli.main", "bench", "--preset", "tiny", "--parts", "op", "--tokens", "32",
          "--backends", "torch,reference", "--repeat", "1", "--threads", "1", "--json", str(out)],
         capture_output=True,
         text=True,
@@ -34,7 +34,9 @@ def test_bench_tiny_writes_records(tmp_path):
 
 def test_bench_unknown_preset_is_an_error():
     proc = subprocess.run(
-        [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "huge"], capture_output=True, text=True
+        [sys.executable, "-m", "kt_ft.integrations.cli.main", "bench", "--preset", "huge"],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2 and "--preset 'huge' is unknown; valid choices: tiny" in proc.stderr
 
@@ -45,7 +47,7 @@ def test_bench_step_tiny_runs_each_system(tmp_path):
     peak RSS recorded); on the CPU the offload system is skipped with a reason."""
     out = tmp_path / "step.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "tiny", "--parts", "step", "--backends", "torch",
+        [sys.executable, "-m", "kt_ft.integrations.cli.main", "bench", "--preset", "tiny", "--parts", "step", "--backends", "torch",
          "--seq", "64", "--steps", "1", "--threads", "1", "--json", str(out)],
         capture_output=True,
         text=True,
@@ -77,7 +79,9 @@ def test_bench_step_tiny_runs_each_system(tmp_path):
 
 def test_bench_unknown_part_is_an_error():
     proc = subprocess.run(
-        [sys.executable, "-m", "kt_ft.cli", "bench", "--parts", "op,speed"], capture_output=True, text=True
+        [sys.executable, "-m", "kt_ft.integrations.cli.main", "bench", "--parts", "op,speed"],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2 and "'speed' is unknown; valid choices: op, step, placement" in proc.stderr
 
@@ -89,7 +93,7 @@ def test_bench_placement_tiny_smoke(tmp_path):
     there) and carries a prediction; the plot is written."""
     out, png = tmp_path / "placement.json", tmp_path / "placement.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "kt_ft.cli", "bench", "--preset", "tiny", "--parts", "placement", "--backends", "torch",
+        [sys.executable, "-m", "kt_ft.integrations.cli.main", "bench", "--preset", "tiny", "--parts", "placement", "--backends", "torch",
          "--seq", "32", "--steps", "1", "--threads", "1", "--caps", "2", "--systems", "kt-ft", "--placements", "auto",
          "--json", str(out),
          "--plot", str(png)],

@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from kt_ft.bench.e2e import last_half_rate, parse_systems, rate_from_log
+from kt_ft.integrations.bench.e2e import last_half_rate, parse_systems, rate_from_log
 
 
 def test_rate_from_log_uses_lf_elapsed_time_and_skips_a_step():
@@ -67,7 +67,7 @@ def test_the_peer_system_gets_llamafactorys_own_keys_and_needs_its_packages(tmp_
     bench stops before building anything."""
     import yaml
 
-    from kt_ft.bench.e2e import run_e2e, write_recipe
+    from kt_ft.integrations.bench.e2e import run_e2e, write_recipe
 
     (peer,) = parse_systems("kt-peer")
     assert peer.kind == "peer" and not peer.use_kt
@@ -94,7 +94,7 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
     out = tmp_path / "e2e.json"
     env = {**os.environ, "KT_FT_PROFILE": str(tmp_path / "prof"), "KT_FT_PROFILE_STEP": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "kt_ft.cli", "bench", "--parts", "e2e", "--preset", "tiny", "--seq", "64",
+        [sys.executable, "-m", "kt_ft.integrations.cli.main", "bench", "--parts", "e2e", "--preset", "tiny", "--seq", "64",
          "--e2e-steps", "2", "--grad-accum", "1", "--threads", "1", "--cpu-infer", "1",
          "--e2e-systems", "peft,kt-cpu:torch,kt-auto,kt-cpu:torch+int8",
          "--workdir", str(tmp_path / "work"), "--json", str(out)],
@@ -143,7 +143,7 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
 
 def test_loss_agreement_compares_the_kt_ft_systems_step_by_step():
     """Against the first kt-ft system with losses; peft (another adapter) and failed runs left out."""
-    from kt_ft.bench.e2e import E2ERecord, loss_agreement
+    from kt_ft.integrations.bench.e2e import E2ERecord, loss_agreement
 
     def rec(system, losses):
         return E2ERecord(system=system, preset="tiny", layers=2, rc=0, seconds=1.0, losses=losses)
@@ -168,7 +168,7 @@ def test_e2e_tiny_vision_language_trains_with_pictures(tmp_path, capsys):
     pictures: test_multimodal.py); the examples carry their pictures, the recipe the VL template."""
     out = tmp_path / "e2e.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kt_ft.cli", "bench", "--parts", "e2e", "--preset", "tiny-vl", "--seq", "128",
+        [sys.executable, "-m", "kt_ft.integrations.cli.main", "bench", "--parts", "e2e", "--preset", "tiny-vl", "--seq", "128",
          "--e2e-steps", "2", "--grad-accum", "1", "--threads", "1", "--cpu-infer", "1",
          "--e2e-systems", "kt-cpu:torch", "--workdir", str(tmp_path / "work"), "--json", str(out)],
         capture_output=True, text=True, timeout=600,
@@ -187,13 +187,13 @@ def test_e2e_tiny_vision_language_trains_with_pictures(tmp_path, capsys):
     recipe = (work / "runs" / "kt-cpu-torch" / "recipe.yaml").read_text()
     assert "template: qwen3_vl_nothink" in recipe
     # the rule of a GPU-placed system (those need CUDA to run): the family's, from the model's config
-    from kt_ft.bench.e2e import write_rule
+    from kt_ft.integrations.bench.e2e import write_rule
 
     (system,) = parse_systems("kt-auto@24")
     rule = yaml.safe_load(write_rule(tmp_path, work / "model", system).read_text())
     assert rule[0] == {"include": "qwen3_vl_moe"} and rule[1]["replace"]["placement"] == "auto", rule
     assert rule[1]["match"] == {"class": "Qwen3VLMoeTextExperts"}, rule
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     assert main(["bench", "--parts", "op", "--preset", "tiny-vl"]) == 2  # a VL preset: the e2e part only
     assert "runs with --parts e2e only" in capsys.readouterr().err
@@ -205,8 +205,8 @@ def test_the_qwen3_vl_preset_builds_on_meta():
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from kt_ft.bench.models import MODEL_CONFIGS
-    from kt_ft.bench.vl_assets import VL_PRESETS
+    from kt_ft.integrations.bench.models import MODEL_CONFIGS
+    from kt_ft.integrations.bench.vl_assets import VL_PRESETS
 
     text, vision, _ = VL_PRESETS["qwen3-vl-30b-a3b"]
     config = AutoConfig.for_model("qwen3_vl_moe", text_config={**text, "num_hidden_layers": 2},
@@ -227,7 +227,7 @@ def test_varied_lengths_span_a_quarter_of_cutoff_to_all_of_it(tmp_path):
     about cutoff_len / 4 to past cutoff_len, and the data is rewritten when the choice changes."""
     from transformers import AutoTokenizer
 
-    from kt_ft.bench.e2e import DATASET, write_assets
+    from kt_ft.integrations.bench.e2e import DATASET, write_assets
 
     model_dir, data_dir, _ = write_assets(tmp_path, "tiny", None, 256, 24, lengths="varied")
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -248,7 +248,7 @@ def test_rounds_alternate_the_order_and_pair_each_run_with_its_rounds_peft(tmp_p
     ends with each system's median over the rounds and the ratio of the medians. The runs are stubbed
     (what a run measures is the other tests'): tokens/s grow with the run's position, as a drifting
     host's can, and kt-cpu:torch is 0.9x what peft would get in the same position."""
-    from kt_ft.bench import e2e
+    from kt_ft.integrations.bench import e2e
 
     calls = []
 
@@ -286,7 +286,7 @@ def test_monitor_reads_memory_and_utilization_from_nvidia_smi_lines():
     utilization over the samples taken while training (a line it cannot read is skipped)."""
     from types import SimpleNamespace
 
-    from kt_ft.bench.e2e import Monitor
+    from kt_ft.integrations.bench.e2e import Monitor
 
     mon = Monitor(None)
     mon._smi = SimpleNamespace(stdout=iter(["1000, 5\n"]))
@@ -302,7 +302,7 @@ def test_link_bound_from_a_streaming_runs_log(capsys):
     """The run summary's streamed bytes over the run's steps at the planned link rate: the tokens/s
     no schedule of that split beats (a Qwen3-30B-A3B run at 24 GiB: 434.67 GiB in 5 steps at
     54.7 GB/s, 8,192 tokens a step); none where nothing streamed or no rate was logged."""
-    from kt_ft.bench.e2e import link_bound
+    from kt_ft.integrations.bench.e2e import link_bound
 
     log = (
         "    link 54.7 GB/s [cached (/root/.cache/kt-ft/rates.json)]\n"
@@ -317,7 +317,7 @@ def test_link_bound_from_a_streaming_runs_log(capsys):
     assert link_bound(log.replace("run summary: streamed", "run summary: GPU allocator"), 5, 8192) is None
     assert link_bound(log.replace("GB/s", "GiB"), 5, 8192) is None
     assert link_bound(log, 0, 8192) is None
-    from kt_ft.bench import e2e
+    from kt_ft.integrations.bench import e2e
 
     run = e2e.E2ERecord("kt-auto@24", "qwen3-30b-a3b", 24, 0, 70.0, tok_s=4_329.0, link_bound_tok_s=4_800.0)
     e2e.print_table([run], 2048, 4)

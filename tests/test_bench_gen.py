@@ -1,4 +1,4 @@
-"""``kt-ft bench --parts gen`` (kt_ft/bench/generate.py) without running LLaMA-Factory: the predict
+"""``kt-ft bench --parts gen`` (kt_ft/integrations/bench/generate.py) without running LLaMA-Factory: the predict
 recipes it derives from the training one, and how it reads LLaMA-Factory's prediction files. (A
 whole run takes minutes: three LLaMA-Factory processes and a merge; docs/benchmarks.md has one.)"""
 
@@ -8,8 +8,14 @@ import json
 
 import yaml
 
-from kt_ft.bench.e2e import parse_systems, write_recipe
-from kt_ft.bench.generate import GEN_DATASET, _predict_recipe, _record, _same_predictions, force_length
+from kt_ft.integrations.bench.e2e import parse_systems, write_recipe
+from kt_ft.integrations.bench.generate import (
+    GEN_DATASET,
+    _predict_recipe,
+    _record,
+    _same_predictions,
+    force_length,
+)
 
 
 def _train_recipe(tmp_path):

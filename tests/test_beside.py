@@ -1,4 +1,4 @@
-"""Shared experts started beside the CPU op (kt_ft/moe/beside.py), checked on the CPU.
+"""Shared experts started beside the CPU op (kt_ft/runtime/beside.py), checked on the CPU.
 
 The reordering must not change a number: the same modules run on the same data and are summed
 in the same order, so a model with the overlap on trains like one with it off
@@ -24,10 +24,12 @@ from test_resident import _first_grads, batches, call_spy, kt_layers, train
 from tiny_models import tiny_model
 from transformers import CONFIG_MAPPING
 
-import kt_ft.moe.beside as beside_mod
-from kt_ft.models import FAMILIES
-from kt_ft.moe.patch import replace_routed_experts
-from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.runtime import beside as beside_mod
+from kt_ft.runtime.patch import replace_routed_experts
 
 RANK, ALPHA = 4, 8
 SHARED_FAMILIES = ["qwen2_moe", "qwen3_5_moe", "deepseek_v2", "deepseek_v3", "glm4_moe"]
@@ -174,7 +176,7 @@ def test_block_calling_shared_experts_with_another_input_falls_back(monkeypatch,
 def test_overlap_on_cuda_trains_like_the_blocks_own_order(family, monkeypatch):
     """On a GPU: same losses (rel 1e-5) with the overlap on and off, and the CPU op's backward
     finds its incoming gradient already copied (started by the shared branch's backward)."""
-    from kt_ft.moe.transfer import STAGING
+    from kt_ft.runtime.transfer import STAGING
 
     losses = []
     for overlap in (False, True):

@@ -7,12 +7,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import tiny_model
 
-from kt_ft.checkpoint import FUSED_FILE, MASTER_FILE, load_fused_expert_lora, save_fused_expert_lora
-from kt_ft.errors import KTConfigError
-from kt_ft.models import FAMILIES
-from kt_ft.moe.experts import KTExperts
-from kt_ft.moe.patch import replace_routed_experts
-from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+from kt_ft.base.errors import KTConfigError
+from kt_ft.formats.expert_lora import FUSED_FILE, MASTER_FILE
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.runtime.adapter import load_fused_expert_lora, save_fused_expert_lora
+from kt_ft.runtime.experts import KTExperts
+from kt_ft.runtime.patch import replace_routed_experts
 
 
 def kt_model(seed=0, rank=4):

@@ -17,8 +17,8 @@ from test_families import moe_layers
 from transformers import AutoConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from kt_ft.demo import make_demo_model
-from kt_ft.models import FAMILIES
+from kt_ft.integrations.demo.text import make_demo_model
+from kt_ft.plan.families import FAMILIES
 
 pytest.importorskip("llamafactory")
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""``kt_ft.apply`` (kt_ft/core.py) on a plain transformers + PEFT model, no LLaMA-Factory: the run
+"""``kt_ft.apply`` (kt_ft/runtime/core.py) on a plain transformers + PEFT model, no LLaMA-Factory: the run
 trains like transformers + PEFT with the same expert LoRA computed by a plain loop (test_parity.py's
 reference and tolerances: fp32 losses rel 1e-5, expert LoRA 1e-4 abs), and its KTRun says what it did."""
 
@@ -13,9 +13,9 @@ from test_parity import ATTN, PlainLoRAExperts, expert_lora, train
 from tiny_models import tiny_model
 
 import kt_ft
-from kt_ft.errors import KTConfigError
-from kt_ft.kernels import LORA_NAMES
-from kt_ft.models import unwrap_peft
+from kt_ft.base.errors import KTConfigError
+from kt_ft.formats.lora_layout import LORA_NAMES
+from kt_ft.plan.family import unwrap_peft
 
 
 def _plain_twin(model, ref, run) -> None:
@@ -81,7 +81,7 @@ def test_apply_under_the_hf_trainer_trains_like_the_reference(tmp_path):
     _plain_twin(model, ref, run)
     steps = []
 
-    class Count(kt_ft.core.KTRun):  # counts the callback's calls through the run's own step
+    class Count(kt_ft.runtime.core.KTRun):  # counts the callback's calls through the run's own step
         def step(self, global_step):
             steps.append(global_step)
             return super().step(global_step)
@@ -167,11 +167,11 @@ def test_apply_names_a_missing_rule():
 def test_easily_swapped_arguments_are_keyword_only():
     """rank and alpha (a past bug swapped them), the planner's rank / tokens / budget, a rule's and
     a summary's many fields: by name only."""
-    from kt_ft.lora import lora_scaling
-    from kt_ft.moe.patch import KTSummary
-    from kt_ft.placement.cost import Rates
-    from kt_ft.placement.planner import choose_splits
-    from kt_ft.rules import Rule
+    from kt_ft.formats.lora_layout import lora_scaling
+    from kt_ft.plan.cost import Rates
+    from kt_ft.plan.loader import Rule
+    from kt_ft.plan.splits import choose_splits
+    from kt_ft.runtime.patch import KTSummary
 
     assert lora_scaling(rank=8, alpha=16) == 2.0
     assert lora_scaling(rank=4, alpha=8, use_rslora=True) == 4.0

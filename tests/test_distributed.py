@@ -26,8 +26,8 @@ import pytest
 import torch
 from lf_runs import assert_close_runs, failure_text, finish, start_train, torchrun_env
 
-from kt_ft.moe.shared_weights import ALIGN, layout
-from kt_ft.processes import Topology, threads_per_rank
+from kt_ft.base.processes import Topology, threads_per_rank
+from kt_ft.runtime.shared_weights import ALIGN, layout
 
 
 def test_cpu_infer_is_split_between_local_ranks():
@@ -113,7 +113,7 @@ def test_resume_with_another_process_count(runs, name, reference):
 def test_checkpoint_written_once_and_not_sharded(runs):
     """Rank 0 writes one optimizer.pt holding the AdamW state of every trainable parameter,
     the expert LoRA whole ([E, r, H] ...); each rank its own rng_state; the manifest lists all."""
-    from kt_ft.checkpoint import verify_adapter_dir
+    from kt_ft.formats.manifest import verify_adapter_dir
 
     root, _ = runs
     ckpt = root / "two" / "checkpoint-2"

@@ -26,8 +26,8 @@ from kt_adapters import lf_load  # noqa: E402
 from lf_api import MISSING_API, http_json, start_api, stop_api, stream_text  # noqa: E402
 from lf_runs import failure_text, finish, start_train  # noqa: E402
 
-from kt_ft.export import merge_adapter  # noqa: E402
-from kt_ft.kernels import BACKENDS  # noqa: E402
+from kt_ft.backends.registry import BACKENDS  # noqa: E402
+from kt_ft.integrations.export.merge import merge_adapter  # noqa: E402
 
 METRICS_PACKAGES = ("jieba", "nltk", "rouge_chinese")  # LLaMA-Factory's `metrics` extra
 MISSING_METRICS = [p for p in METRICS_PACKAGES if importlib.util.find_spec(p) is None]
@@ -76,7 +76,7 @@ def _fake_workflow(attached: bool):
 def test_workflow_patch_lifts_the_refusal_only_for_kt_ft_models(use_kt, attached):
     from types import SimpleNamespace
 
-    from kt_ft.llamafactory.patches import patch_sft_workflow_module
+    from kt_ft.integrations.llamafactory.patches import patch_sft_workflow_module
 
     wf, seen = _fake_workflow(attached)
     patch_sft_workflow_module(wf)
@@ -95,7 +95,7 @@ def test_workflow_patch_lifts_the_refusal_only_for_kt_ft_models(use_kt, attached
 def test_workflow_patch_restores_use_kt_when_run_sft_fails():
     from types import SimpleNamespace
 
-    from kt_ft.llamafactory.patches import patch_sft_workflow_module
+    from kt_ft.integrations.llamafactory.patches import patch_sft_workflow_module
 
     wf, _ = _fake_workflow(True)
     patch_sft_workflow_module(wf)
@@ -112,8 +112,8 @@ def test_other_inference_engines_are_refused(backend):
 
     from llamafactory.extras.constants import EngineName
 
-    from kt_ft.errors import KTConfigError
-    from kt_ft.llamafactory.patches import check_kt_run
+    from kt_ft.base.errors import KTConfigError
+    from kt_ft.integrations.llamafactory.patches import check_kt_run
 
     finetuning = SimpleNamespace(finetuning_type="lora", stage="sft")
     check_kt_run(SimpleNamespace(infer_backend=EngineName.HF), finetuning)

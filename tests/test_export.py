@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from kt_ft.cli import main
-from kt_ft.errors import KTConfigError
+from kt_ft.base.errors import KTConfigError
+from kt_ft.integrations.cli.main import main
 
 pytest.importorskip("llamafactory")
 
@@ -122,7 +122,7 @@ def test_merge_refuses_another_base_model(saved_adapter, demo_assets, tmp_path, 
     assert main(["merge", str(src), str(tmp_path / "merged"), "--base", str(other)]) == 2
     assert "other/config.json: sha256 differs" in capsys.readouterr().err
     with pytest.raises(KTConfigError, match="trained on another base model"):
-        from kt_ft.export import merge_adapter
+        from kt_ft.integrations.export.merge import merge_adapter
 
         merge_adapter(src, tmp_path / "m2", base=other)
 

@@ -18,9 +18,10 @@ from tiny_models import tiny_model
 from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from kt_ft.errors import KTConfigError
-from kt_ft.models import FAMILIES, family_of, find_routed_experts
-from kt_ft.moe.experts import KTExperts
+from kt_ft.base.errors import KTConfigError
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.family import family_of, find_routed_experts
+from kt_ft.runtime.experts import KTExperts
 
 STEPS = 3
 SHARED = ("shared_expert", "shared_experts", "shared_expert_gate")  # HF names of shared-expert parts
@@ -176,7 +177,7 @@ def test_demo_model_through_llamafactory(family, tmp_path):
     from llamafactory.hparams import get_train_args
     from llamafactory.model import load_model, load_tokenizer
 
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     assert main(["make-demo-model", str(tmp_path / "demo"), "--family", family]) == 0
     model_args, _, _, finetuning_args, _ = get_train_args(

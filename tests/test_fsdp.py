@@ -29,7 +29,7 @@ import pytest
 import torch
 from lf_runs import RECIPE, REPO, assert_close_runs, failure_text, finish, start_train, torchrun_env
 
-from kt_ft.errors import KTConfigError
+from kt_ft.base.errors import KTConfigError
 
 SHIM = REPO / "tests" / "fsdp_on_cpu"
 FSDP2_KEYS = {"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2}}  # as the README says
@@ -144,7 +144,7 @@ def test_fsdp2_recipe_parses(demo_assets, tmp_path, clean_env):
     assert training_args.fsdp_plugin_args["fsdp_version"] == 2
 
 
-# ----- kt_ft.fsdp's helpers against one process (torchrun, 2 gloo ranks) -----
+# ----- kt_ft.runtime.fsdp's helpers against one process (torchrun, 2 gloo ranks) -----
 
 
 def test_fsdp_helpers_match_one_process():
@@ -245,7 +245,7 @@ def test_fsdp2_checkpoint_has_kt_ft_layout(runs):
     """Rank 0 writes the usual kt-ft files (whole tensors), not FSDP's distributed-checkpoint dirs."""
     from safetensors.torch import load_file
 
-    from kt_ft.checkpoint import verify_adapter_dir
+    from kt_ft.formats.manifest import verify_adapter_dir
 
     root, _ = runs
     ckpt = root / "fsdp2" / "checkpoint-2"
@@ -300,7 +300,7 @@ def _trainer(fsdp_enabled, version=2, fsdp=("full_shard",)):
 
 def test_fsdp_dropped_by_accelerate_is_said(monkeypatch):
     """On a CPU-only machine accelerate drops the FSDP plugin (DDP trains): kt-ft says so."""
-    from kt_ft.llamafactory import fsdp_trainer
+    from kt_ft.integrations.llamafactory import fsdp_trainer
 
     said = []
     monkeypatch.setattr(fsdp_trainer.logger, "warning", said.append)
@@ -316,14 +316,14 @@ def test_fsdp_dropped_by_accelerate_is_said(monkeypatch):
 def test_fsdp1_plugin_is_refused_at_trainer_start():
     """The parser refuses FSDP1 first; should accelerate still hold a version-1 plugin, the
     Trainer hook refuses it before anything is wrapped."""
-    from kt_ft.llamafactory import fsdp_trainer
+    from kt_ft.integrations.llamafactory import fsdp_trainer
 
     with pytest.raises(KTConfigError, match="fsdp_version=1 with use_kt: only FSDP2 is supported"):
         fsdp_trainer.setup_fsdp2(_trainer(fsdp_enabled=True, version=1))
 
 
 def test_ignored_modules_keep_the_recipes_own():
-    from kt_ft.llamafactory.fsdp_trainer import _ignored_modules
+    from kt_ft.integrations.llamafactory.fsdp_trainer import _ignored_modules
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     assert _ignored_modules("1", model) == [model[1]]  # accelerate's regex over module names
@@ -332,7 +332,7 @@ def test_ignored_modules_keep_the_recipes_own():
 
 
 def test_deepspeed_on_the_command_line_is_refused():
-    from kt_ft.llamafactory.parallel import check_raw_recipe
+    from kt_ft.integrations.llamafactory.parallel import check_raw_recipe
 
     with pytest.raises(KTConfigError, match="deepspeed='ds.json' with use_kt"):
         check_raw_recipe(["--model_name_or_path", "m", "--use_kt", "--deepspeed=ds.json"])

@@ -16,10 +16,10 @@ from compare import fresh_seed as _seed
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from kt_ft.lora.linear import install_fused_lora  # noqa: E402
-from kt_ft.models import FAMILIES  # noqa: E402
-from kt_ft.models.rms_norm import install_fused_rms_norm  # noqa: E402
-from kt_ft.models.rotary import install_fused_rotary, uninstall_fused_rotary  # noqa: E402
+from kt_ft.backends.lora_linear import install_fused_lora  # noqa: E402
+from kt_ft.backends.rms_norm import install_fused_rms_norm  # noqa: E402
+from kt_ft.backends.rotary import install_fused_rotary, uninstall_fused_rotary  # noqa: E402
+from kt_ft.plan.families import FAMILIES  # noqa: E402
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -18,13 +18,17 @@ from tiny_models import tiny_model
 from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from kt_ft.errors import KTConfigError
-from kt_ft.kernels import BACKENDS, LoraTensors, reference_moe
-from kt_ft.kernels.base import ExpertWeights
-from kt_ft.models import FAMILIES, expert_spec, find_routed_experts
-from kt_ft.moe.experts import KTExperts
-from kt_ft.moe.patch import replace_routed_experts
-from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+from kt_ft.backends.base import ExpertWeights, LoraTensors
+from kt_ft.backends.reference import reference_moe
+from kt_ft.backends.registry import BACKENDS
+from kt_ft.base.errors import KTConfigError
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.family import expert_spec, find_routed_experts
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.runtime.experts import KTExperts
+from kt_ft.runtime.patch import replace_routed_experts
 
 if "gpt_oss" not in CONFIG_MAPPING:
     pytest.skip("gpt_oss is not in this transformers", allow_module_level=True)
@@ -152,7 +156,7 @@ def gpt_oss_adapter(tmp_path_factory):
     pytest.importorskip("llamafactory")
     from kt_adapters import random_lora_adapter
 
-    from kt_ft.demo import make_demo_model
+    from kt_ft.integrations.demo.text import make_demo_model
 
     assets = make_demo_model(tmp_path_factory.mktemp("gpt_oss_demo"), family="gpt_oss")
     out = tmp_path_factory.mktemp("gpt_oss_adapter") / "out"
@@ -177,7 +181,7 @@ def test_merge_folds_lora_into_gpt_oss_layout(gpt_oss_adapter, tmp_path):
     transformers model from the merged checkpoint gives the adapter's logits; biases unchanged."""
     from transformers import AutoModelForCausalLM
 
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     assets, out, _, ref = gpt_oss_adapter
     assert main(["merge", str(out), str(tmp_path / "merged")]) == 0
@@ -198,7 +202,7 @@ def test_merge_folds_lora_into_gpt_oss_layout(gpt_oss_adapter, tmp_path):
 
 def test_merge_refuses_an_mxfp4_base(gpt_oss_adapter, tmp_path):
     """The hub checkpoints store the experts MXFP4 (``*_blocks`` / ``*_scales``): refused by name."""
-    from kt_ft.export import merge_adapter
+    from kt_ft.integrations.export.merge import merge_adapter
 
     assets, out, _, _ = gpt_oss_adapter
     base = tmp_path / "mxfp4"
@@ -217,7 +221,7 @@ def test_merge_refuses_an_mxfp4_base(gpt_oss_adapter, tmp_path):
 def test_rules_plan_reads_the_gpt_oss_layout(gpt_oss_adapter, capsys):
     """`kt-ft rules plan` on the gpt_oss demo: expert LoRA counted from [E, H, 2I] (H 64, I 32), as
     the model built it (r 8 by default: 2 layers x 3 x E 8 x r 8 x (H + I))."""
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     assets, _, model, _ = gpt_oss_adapter
     assert main(["rules", "plan", "--rule", "gpt_oss", "--model", str(assets / "model"), "--json"]) == 0
@@ -266,7 +270,7 @@ def test_convert_gives_the_adapters_logits_on_a_per_expert_gpt_oss(gpt_oss_adapt
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     assets, out, _, ref = gpt_oss_adapter
     assert main(["convert", str(out), str(tmp_path / "conv")]) == 0

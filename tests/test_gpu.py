@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_parity import build_pair, expert_lora, train
 
-from kt_ft.moe.experts import KTExperts
+from kt_ft.runtime.experts import KTExperts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,7 +50,7 @@ def test_pinned_staging_reuse_keeps_queued_copies_intact():
     """Results go back through one reused pinned buffer without blocking the host: a second
     result written into it must not change the first one's queued copy (fresh random data,
     bitwise)."""
-    from kt_ft.moe.transfer import PinnedStaging
+    from kt_ft.runtime.transfer import PinnedStaging
 
     st = PinnedStaging()
     dev = torch.device("cuda")

@@ -1,4 +1,4 @@
-"""CUDA graphs of a resident layer's expert work (kt_ft/moe/graphed.py) against the same layers run
+"""CUDA graphs of a resident layer's expert work (kt_ft/runtime/graphed.py) against the same layers run
 eagerly (``KT_FT_CUDA_GRAPHS=0``): a tiny bf16 Qwen3-MoE, every expert resident, trained a few
 AdamW steps with reentrant checkpointing (forward without grad, recompute, backward: the graphs'
 path), without checkpointing (a forward with grad evicts the one before it), with non-reentrant
@@ -23,10 +23,11 @@ from test_resident import kt_layers
 from test_resident import train as train_on
 from tiny_models import tiny_model
 
-from kt_ft.models import FAMILIES
-from kt_ft.moe import graphed
-from kt_ft.moe.patch import replace_routed_experts
-from kt_ft.rules import load_rules, make_plan
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.runtime import graphed
+from kt_ft.runtime.patch import replace_routed_experts
 
 RANK, ALPHA = 8, 16  # rank 8: bf16 LoRA rows of 16 bytes, which torch._grouped_mm takes
 EVERY = (
@@ -209,7 +210,7 @@ def test_padding_rows_change_no_result(variant):
     order of float sums differs)."""
     from moe_inputs import routed_problem
 
-    from kt_ft.kernels.grouped_device import Groups, fused_backward, fused_forward, stack_lora
+    from kt_ft.backends.grouped_device import Groups, fused_backward, fused_forward, stack_lora
 
     T, E, k, H = 9, 6, 2, 32
     base, lora, x, ids, w, grad, seed = routed_problem(T, E, k, H, 16, 4, variant)
@@ -303,9 +304,9 @@ def test_a_graphed_layer_writes_the_wide_lora_blocks_once_per_change(monkeypatch
 
     from moe_inputs import make_problem
 
-    from kt_ft.kernels import grouped_device as gd
-    from kt_ft.kernels.base import lora_changed
-    from kt_ft.kernels.grouped_wide import WideExperts
+    from kt_ft.backends import grouped_device as gd
+    from kt_ft.backends.base import lora_changed
+    from kt_ft.backends.grouped_wide import WideExperts
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")

@@ -1,4 +1,4 @@
-"""Grouped device-expert products (kt_ft/kernels/grouped_device.py) against a plain per-expert
+"""Grouped device-expert products (kt_ft/backends/grouped_device.py) against a plain per-expert
 loop written from the formula (``ExpertWeights.expert`` views, ``gated_act``), on fresh random
 inputs with experts of zero rows: the output and the gradients of x and of the six LoRA slices.
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 from moe_inputs import GPT_OSS_SPEC, make_problem, routed_problem
 
-from kt_ft.kernels import LoraTensors
-from kt_ft.kernels import grouped_device as gd
-from kt_ft.kernels.activation import gated_act
+from kt_ft.backends import grouped_device as gd
+from kt_ft.backends.activation import gated_act
+from kt_ft.backends.base import LoraTensors
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -91,8 +91,8 @@ def test_one_placement_holding_every_expert_needs_no_host_counts():
     """A layer whose experts are all resident (or all streamed) routes without reading the pair
     counts back from the device (no host sync before its products are queued); a layer split with
     the CPU reads them once, and its groups carry them."""
-    from kt_ft.moe.device_experts import DeviceExperts
-    from kt_ft.moe.resident import ResidentExperts
+    from kt_ft.runtime.device_experts import DeviceExperts
+    from kt_ft.runtime.resident import ResidentExperts
 
     gen = torch.Generator().manual_seed(3)
     base, _, _, ids, weights, _ = make_problem(6, 4, 2, 16, 8, 2, torch.float32, gen)
@@ -131,11 +131,11 @@ def test_fused_device_share_matches_its_autograd_twin(
     a run's all-resident layers ask, so its gradient does too."""
     if layout == "wide" and variant == "gpt_oss":
         pytest.skip("gpt_oss's transposed layout is kept plain (grouped_wide.wide_fits)")
-    from kt_ft.kernels import grouped_device
-    from kt_ft.moe.device_experts import DeviceExperts
+    from kt_ft.backends import grouped_device
+    from kt_ft.runtime.device_experts import DeviceExperts
 
     monkeypatch.setattr(grouped_device, "BACKWARD_SLICE_ROWS", slice_rows)
-    from kt_ft.moe.resident import ResidentExperts
+    from kt_ft.runtime.resident import ResidentExperts
 
     T, E, k, H, I, r = 11, 6, 2, 64, 32, 8
     # expert E-1 unrouted
@@ -194,8 +194,8 @@ def test_a_lora_update_between_calls_reaches_the_next_forward(layout):
     """The cast cache follows the parameters: after an in-place update (an optimizer step) the
     next ``start`` of a layer with some experts resident (LoRA rows taken afresh each call) computes
     with the new values, as the autograd twin does (fp32: 1e-5 of the largest entry)."""
-    from kt_ft.moe.device_experts import DeviceExperts
-    from kt_ft.moe.resident import ResidentExperts
+    from kt_ft.runtime.device_experts import DeviceExperts
+    from kt_ft.runtime.resident import ResidentExperts
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")
@@ -226,8 +226,8 @@ def test_wide_layout_holds_the_base_weights_and_the_lora_blocks():
     below and s B beside them (B_gu in ``stack_lora``'s block layout), the rest of the extra
     blocks zero; ``wide_fits`` takes the plain layout with H, I, r multiples of 8 only; the resident
     bytes count the buffers."""
-    from kt_ft.kernels.grouped_wide import WideExperts, wide_extra_bytes, wide_fits
-    from kt_ft.moe.resident import ResidentExperts
+    from kt_ft.backends.grouped_wide import WideExperts, wide_extra_bytes, wide_fits
+    from kt_ft.runtime.resident import ResidentExperts
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")
@@ -262,7 +262,7 @@ def test_wide_layout_holds_the_base_weights_and_the_lora_blocks():
 def test_sort_by_id_is_the_stable_argsort_of_the_ids(device, n):
     """Keys narrowed to int8 / int16 (n <= 128 / 32,768) sort like the int64 ids, -1 (not on the
     device) first, ties in their original order."""
-    from kt_ft.kernels.grouped_device import sort_by_id
+    from kt_ft.backends.grouped_device import sort_by_id
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")
@@ -277,7 +277,7 @@ def test_wide_forward_into_given_buffers_equals_new_tensors(dtype):
     and output written into static buffers) gives bit for bit the output and saved tensors of the
     call without it, and the saved tuple holds the buffers themselves; the backward from either
     is the same."""
-    from kt_ft.kernels.grouped_wide import WideExperts
+    from kt_ft.backends.grouped_wide import WideExperts
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")

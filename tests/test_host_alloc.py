@@ -1,4 +1,4 @@
-"""The host allocator policy (kt_ft/host_alloc.py): KT_FT_MMAP_THRESHOLD parses as documented,
+"""The host allocator policy (kt_ft/runtime/host_alloc.py): KT_FT_MMAP_THRESHOLD parses as documented,
 bad values are refused naming the setting, and the threshold is set once a process (checked in a
 fresh interpreter: the setting is process-wide)."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kt_ft import host_alloc
+from kt_ft.runtime import host_alloc
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,7 @@ def test_bad_threshold_is_refused(monkeypatch, raw):
 
 def test_apply_sets_it_once_and_zero_leaves_glibc_alone():
     code = (
-        "import logging, platform; from kt_ft import host_alloc\n"
+        "import logging, platform; from kt_ft.runtime import host_alloc\n"
         "logging.basicConfig(level=logging.INFO)\n"
         "log = logging.getLogger('t')\n"
         "got = host_alloc.apply(log); again = host_alloc.apply(log)\n"

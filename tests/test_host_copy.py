@@ -15,10 +15,11 @@ from moe_inputs import make_problem
 from test_kernels import assert_close, run_backend
 from test_resident import GPU_RULE, build, kt_layers
 
-from kt_ft.kernels import BACKENDS, ExpertWeights, LoraTensors
-from kt_ft.kernels.grouped import GroupedTorchBackend
-from kt_ft.kernels.kt_kernel_backend import KTKernelBackend, chain_backward_order
-from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
+from kt_ft.backends.base import ExpertWeights, LoraTensors
+from kt_ft.backends.grouped import GroupedTorchBackend
+from kt_ft.backends.kt_kernel import KTKernelBackend, chain_backward_order
+from kt_ft.backends.registry import BACKENDS
+from kt_ft.runtime.function import CPUExpertsFunction, ExpertRunner
 
 CPU_RULE = (
     "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch}\n- default: {device: cuda}\n"

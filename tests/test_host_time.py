@@ -1,4 +1,4 @@
-"""The host-time callback (``kt_ft/llamafactory/host_time.py``): threads' CPU time a step."""
+"""The host-time callback (``kt_ft/integrations/llamafactory/host_time.py``): threads' CPU time a step."""
 
 import os
 import sys
@@ -7,8 +7,13 @@ import time
 
 import pytest
 
-from kt_ft.bench.e2e import _HOST
-from kt_ft.llamafactory.host_time import HostTime, busy_by_thread, summary_line, thread_cpu_seconds
+from kt_ft.integrations.bench.e2e import _HOST
+from kt_ft.integrations.llamafactory.host_time import (
+    HostTime,
+    busy_by_thread,
+    summary_line,
+    thread_cpu_seconds,
+)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 

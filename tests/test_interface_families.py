@@ -1,7 +1,7 @@
 """Every model type whose experts use transformers' experts interface: kt-ft trains it, or refuses it.
 
-For each type of the installed transformers (``kt_ft.models.probe.interface_model_types``) a tiny
-random model is built from its config class's defaults (``kt_ft/models/tiny.py``). A type kt-ft
+For each type of the installed transformers (``kt_ft.integrations.cli.probe.interface_model_types``) a tiny
+random model is built from its config class's defaults (``kt_ft/plan/tiny.py``). A type kt-ft
 computes is checked against an independent reference: the original transformers modules in
 ``eager`` mode with the expert LoRA merged into their own weights (W + s B A written into HF's
 layout, differentiable through ``torch.func.functional_call``), vs kt-ft's model (its experts
@@ -19,17 +19,21 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from kt_ft.errors import KTConfigError
-from kt_ft.kernels import LORA_NAMES
-from kt_ft.models import FAMILIES, expert_spec, family_of, find_routed_experts
-from kt_ft.models.derived import GENERIC_RULE, OVERRIDES
-from kt_ft.models.dispatch import IMPLEMENTATION, kt_ft_experts_forward, use_kt_ft_experts
-from kt_ft.models.interface import derive_spec, interface_experts, is_interface_experts
-from kt_ft.models.probe import interface_model_types, randomize_routing
-from kt_ft.models.tiny import tiny_config
-from kt_ft.moe.experts import KTExperts
-from kt_ft.moe.patch import replace_routed_experts
-from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+from kt_ft.base.errors import KTConfigError
+from kt_ft.formats.lora_layout import LORA_NAMES
+from kt_ft.integrations.cli.probe import interface_model_types
+from kt_ft.integrations.demo.text import randomize_routing
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.derived import GENERIC_RULE, OVERRIDES
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.family import expert_spec, family_of, find_routed_experts
+from kt_ft.plan.interface import derive_spec, interface_experts, is_interface_experts
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.plan.tiny import tiny_config
+from kt_ft.runtime.dispatch import IMPLEMENTATION, kt_ft_experts_forward, use_kt_ft_experts
+from kt_ft.runtime.experts import KTExperts
+from kt_ft.runtime.patch import replace_routed_experts
 
 TYPES = interface_model_types()
 RANK, SCALING = 4, 2.0
@@ -127,7 +131,7 @@ def test_interface_type_trains_or_is_refused(model_type):
 
 
 def _meta(config):
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.formats.skeleton import meta_model
 
     return meta_model(config, torch.bfloat16)
 
@@ -224,7 +228,7 @@ def test_derived_type_through_llamafactory(model_type, tmp_path):
     from llamafactory.hparams import get_train_args
     from llamafactory.model import load_model, load_tokenizer
 
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     assert main(["make-demo-model", str(tmp_path / "demo"), "--family", model_type]) == 0
     model_args, _, _, finetuning_args, _ = get_train_args(
@@ -251,7 +255,7 @@ def test_readme_model_types_sentence_is_generated_from_docs_models():
     docs/models.md's table as committed; the parser counts what passed (a toy table)."""
     from pathlib import Path
 
-    from kt_ft.models.probe import README_BEGIN, README_END, readme_models_block
+    from kt_ft.integrations.cli.probe import README_BEGIN, README_END, readme_models_block
 
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()

@@ -1,4 +1,4 @@
-"""`kt-ft models --lf` (kt_ft/models/lf_check.py): derived model types train through
+"""`kt-ft models --lf` (kt_ft/integrations/cli/lf_check.py): derived model types train through
 `llamafactory-cli train` with the same lr-0 losses with kt-ft as without, and the check can fail."""
 
 import math
@@ -6,7 +6,14 @@ import math
 import pytest
 import torch
 
-from kt_ft.models.lf_check import LOSS_RTOL, LfCheck, _verdict, compare_losses, lf_parity, sharpen_demo
+from kt_ft.integrations.cli.lf_check import (
+    LOSS_RTOL,
+    LfCheck,
+    _verdict,
+    compare_losses,
+    lf_parity,
+    sharpen_demo,
+)
 
 REF = [10.729056358337402, 10.176989555358887, 10.680719375610352]
 
@@ -47,8 +54,8 @@ def test_sharpened_demo_loss_sees_a_one_percent_expert_error(tmp_path):
     the experts compute)."""
     from transformers import AutoModelForCausalLM
 
-    from kt_ft.demo import make_demo_model
-    from kt_ft.models.interface import interface_experts
+    from kt_ft.integrations.demo.text import make_demo_model
+    from kt_ft.plan.interface import interface_experts
 
     demo = make_demo_model(tmp_path / "demo", family="dots1")
     sharpen_demo(demo / "model")

@@ -14,9 +14,10 @@ import pytest
 import torch
 from moe_inputs import GPT_OSS_SPEC, make_problem
 
-from kt_ft.kernels import BACKENDS, ExpertSpec, LoraTensors, reference_moe
-from kt_ft.kernels.base import ExpertWeights
-from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
+from kt_ft.backends.base import ExpertSpec, ExpertWeights, LoraTensors
+from kt_ft.backends.reference import reference_moe
+from kt_ft.backends.registry import BACKENDS
+from kt_ft.runtime.function import CPUExpertsFunction, ExpertRunner
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
 # Portable fast backends; kt-kernel (bf16 only, AMX tile shapes) has its own test file.
@@ -85,7 +86,7 @@ def test_torch_backend_lora_groups(monkeypatch, rng):
     """The rank-sized LoRA products as one bmm per group of experts with equal padded rows
     (``kernels/grouped.py``) give what one product per expert gives (``KT_FT_LORA_BMM=0``), fp32
     within 1e-6 of the largest entry; the skewed case really has several groups."""
-    from kt_ft.kernels.grouped_layout import _route_layout
+    from kt_ft.backends.grouped_layout import _route_layout
 
     c = CASES["skewed"]
     base, lora, x, ids, w, gy = make_problem(
@@ -339,8 +340,8 @@ def test_expert_views_of_the_gpt_oss_layout():
 def test_kt_kernel_refuses_gpt_oss_experts_and_auto_picks_torch():
     """kt-kernel's kernel has no clamped / biased / transposed experts: it says so, whatever the CPU,
     `auto` passes it over naming why, and asking for it by name is an error with that reason."""
-    from kt_ft.errors import KTConfigError
-    from kt_ft.kernels import select_backend
+    from kt_ft.backends.registry import select_backend
+    from kt_ft.base.errors import KTConfigError
 
     reason = BACKENDS["kt-kernel"].unavailable_reason(torch.bfloat16, GPT_OSS_SPEC)
     assert reason is not None and "gpt_oss_clamped" in reason and "kt_backend torch" in reason
@@ -352,7 +353,7 @@ def test_kt_kernel_refuses_gpt_oss_experts_and_auto_picks_torch():
 
 
 def test_torch_ep_balances_whole_experts_over_workers():
-    from kt_ft.kernels.grouped_parallel import balance
+    from kt_ft.backends.grouped_parallel import balance
 
     assert balance([16, 0, 48, 16, 32], 2) == [[2, 3], [0, 4]]  # 48 + 16 | 32 + 16
     assert balance([16, 16], 4) == [[0], [1]]  # idle workers get no list
@@ -389,7 +390,7 @@ def test_torch_ep_runs_products_on_its_worker_threads(rng):
 def test_gated_act_backward_matches_autograd(activation):
     """The hand-written (dg, du) of each gated activation == autograd of ``gated_act`` (float64,
     rtol 1e-10): the variant and device backends use the former, the reference the latter."""
-    from kt_ft.kernels.activation import gated_act, gated_act_backward
+    from kt_ft.backends.activation import gated_act, gated_act_backward
 
     gen = torch.Generator().manual_seed(7)
     g, u, dh = (torch.randn(9, 5, dtype=torch.float64, generator=gen) * 3 for _ in range(3))
@@ -407,7 +408,7 @@ def test_gated_act_into_strided_columns_matches_the_plain_functions(activation):
     interleaved columns of one buffer, the results written into column blocks of wider ones) ==
     ``gated_act`` / ``gated_act_backward`` on contiguous copies (float64, rtol 1e-12); the columns
     beside the written blocks stay untouched."""
-    from kt_ft.kernels.activation import (
+    from kt_ft.backends.activation import (
         gated_act,
         gated_act_backward,
         gated_act_backward_into,
@@ -442,8 +443,8 @@ def test_plan_counts_what_the_cpu_op_keeps_for_its_backward(rng):
     native backend's dtype) on random routing: never below it, and above it by at most the padding
     rows it assumes for experts that got fewer (the layer's input and fp32 output counted as the
     runner keeps them: bf16 and fp32 [T, H])."""
-    from kt_ft.kernels.grouped_layout import ROW_PAD
-    from kt_ft.rules.report import cpu_op_saved_bytes
+    from kt_ft.backends.grouped_layout import ROW_PAD
+    from kt_ft.plan.report import cpu_op_saved_bytes
 
     t, e, k, h, inter, r = 96, 8, 2, 64, 24, 4
     base, lora, x, ids, w, _ = make_problem(t, e, k, h, inter, r, torch.float32, rng)
@@ -458,7 +459,7 @@ def test_plan_counts_what_the_cpu_op_keeps_for_its_backward(rng):
 def test_recipe_backend_choices_are_the_registry():
     """Every backend kt-ft can run is a valid recipe / rule value, and nothing else is (the recipe's
     list lives in the torch-free hparams module, the registry beside the kernels)."""
-    from kt_ft.hparams import KT_BACKENDS
+    from kt_ft.plan.schema import KT_BACKENDS
 
     assert KT_BACKENDS[0] == "auto" and sorted(KT_BACKENDS[1:]) == sorted(BACKENDS), (
         KT_BACKENDS,

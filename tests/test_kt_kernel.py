@@ -12,10 +12,10 @@ import torch
 from moe_inputs import make_problem
 from test_kernels import assert_close, run_backend
 
-from kt_ft.kernels import BACKENDS, LoraTensors
-from kt_ft.kernels.base import ExpertWeights
-from kt_ft.kernels.kt_kernel_backend import chain_backward_order
-from kt_ft.moe.function import CPUExpertsFunction, ExpertRunner
+from kt_ft.backends.base import ExpertWeights, LoraTensors
+from kt_ft.backends.kt_kernel import chain_backward_order
+from kt_ft.backends.registry import BACKENDS
+from kt_ft.runtime.function import CPUExpertsFunction, ExpertRunner
 
 REASON = BACKENDS["kt-kernel"].unavailable_reason(torch.bfloat16)
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"kt-kernel backend unavailable: {REASON}")
@@ -56,7 +56,7 @@ def test_kt_kernel_chunks_and_lora_updates(rng):
 
 
 def test_kt_kernel_skips_masked_pairs(rng):
-    """GPU-resident experts' pairs reach the CPU op with id -1 and weight 0 (kt_ft/moe/resident.py):
+    """GPU-resident experts' pairs reach the CPU op with id -1 and weight 0 (kt_ft/runtime/resident.py):
     kt-kernel must skip them -- an assumption from its inference path, checked here. Against the
     float64 reference with those pairs' weights zeroed; their routing-weight grad must be 0."""
     base, lora, x, ids, w, gy = make_problem(37, 8, 2, 256, 128, 8, torch.bfloat16, rng)

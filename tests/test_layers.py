@@ -1,19 +1,23 @@
-"""kt-ft's modules form layers, each importing only the ones below it (and its own), and no
-import cycle: every module imports on its own, in a fresh interpreter.
+"""kt-ft's folders are its layers: a module imports only modules of its own layer or below, no
+import cycle runs between two modules or between two packages, and no function-local import
+goes up a layer or closes a cycle (a deferred import is for start-up cost or an optional
+dependency, and says so with a ``# why`` comment on its line, never to dodge a cycle).
 
-Layers, lowest first (a module belongs to the layer of its longest matching prefix):
+Layers, lowest first; each is one folder of ``kt_ft`` (docs/how-it-works.md "Layout"):
 
-- base: errors, log, settings, the start-up hook, the recipe keys (``hparams``), process topology;
-- op: the CPU expert op (``kernels``), the expert-LoRA layout (``lora``) and the quantized weight
-  formats (``quant``): tensor code only;
-- models: per-family facts (which modules are the experts, their layout as an ExpertSpec);
-- planning: rules, plan, ``rules plan``'s estimate, cost model, planner, ``placement: auto``;
-- runtime: the experts module (``moe``), rate measurement and re-planning, checkpoints, DDP/FSDP,
-  the process memory report, ``kt_ft.apply``, export, the demo model;
-- integration: LLaMA-Factory, ``kt-ft bench``, the CLI.
+- base: errors, the log, the settings registry, process topology, atomic file writes;
+- formats: what kt-ft reads and writes on disk: the expert-LoRA file and its layout, the adapter
+  manifest, a model's files (its meta skeleton, where its expert bytes lie);
+- backends: compute: the CPU expert backends (Python side of ``kernels/``), grouped products,
+  quantized formats and their dequantizers, the fused LoRA linear, norm, rotary and loss;
+- plan: touches no device: the rule language, model facts, the memory and cost model, the
+  planner;
+- runtime: the model changed in place: ``kt_ft.apply``, the experts modules and the CPU op,
+  placement at run time, loading, streaming, adapters, data parallelism;
+- integrations: LLaMA-Factory, the CLI, ``kt-ft bench`` (a leaf: only the CLI imports it),
+  export for serving engines, the demo models.
 
-Only module-level imports are checked against the order: a function-local kt-ft import is for
-start-up cost or an optional dependency, and says so with a ``# why`` comment on its line.
+The package root (``kt_ft/__init__.py``, ``__main__.py``) is the public facade above them all.
 """
 
 from __future__ import annotations
@@ -28,53 +32,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kt_ft"
 
-LAYERS: dict[str, tuple[str, ...]] = {
-    "base": (
-        "kt_ft",
-        "kt_ft._startup",
-        "kt_ft.errors",
-        "kt_ft.log",
-        "kt_ft.settings",
-        "kt_ft.hparams",
-        "kt_ft.processes",
-    ),
-    "op": ("kt_ft.kernels", "kt_ft.lora", "kt_ft.quant"),  # quant.loading reads files: runtime (below)
-    "models": ("kt_ft.models",),  # derived, dispatch and probe sit higher (below)
-    "planning": (
-        "kt_ft.rules",
-        "kt_ft.placement",  # the package doc; measure and runtime are runtime (below)
-        "kt_ft.placement.cost",
-        "kt_ft.placement.planner",
-        "kt_ft.placement.homes",
-        "kt_ft.placement.auto",
-        "kt_ft.models.derived",  # a family from a model's meta skeleton (rules.skeleton)
-    ),
-    "runtime": (
-        "kt_ft.moe",
-        "kt_ft.quant.loading",  # quantized experts read from the files (moe's readers)
-        "kt_ft.placement.measure",
-        "kt_ft.placement.runtime",
-        "kt_ft.placement.non_expert",
-        "kt_ft.checkpoint",
-        "kt_ft.distributed",
-        "kt_ft.fsdp",
-        "kt_ft.memory",
-        "kt_ft.run_stats",
-        "kt_ft.models.dispatch",  # transformers' experts interface answered by the CPU op (moe)
-        "kt_ft.core",
-        "kt_ft.export",
-        "kt_ft.demo",
-        "kt_ft.demo_vl",
-    ),
-    "integration": (
-        "kt_ft.llamafactory",
-        "kt_ft.bench",
-        "kt_ft.cli",
-        "kt_ft.planning",  # `kt-ft rules plan`'s computation (rate measurement: runtime), CLI and LlamaBoard
-        "kt_ft.models.probe",
-        "kt_ft.models.lf_check",
-    ),
-}
+LAYER_NAMES = ("base", "formats", "backends", "plan", "runtime", "integrations")
+LAYERS: dict[str, tuple[str, ...]] = {name: (f"kt_ft.{name}",) for name in LAYER_NAMES}
+LAYERS["facade"] = ("kt_ft",)  # the package root: longest prefix wins, so only its own modules
+# leaf packages: (package, the only modules that may import it)
+LEAVES = {"kt_ft.integrations.bench": ("kt_ft.integrations.cli.main",)}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -113,7 +75,8 @@ def kt_imports(
 ) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
     """(module-level, function-local) kt_ft imports of ``module``: (line, imported module). A
     ``from X import name`` counts as X.name where that is a module, else X; importing X.Y also
-    imports its packages X (their ``__init__``), counted as imports of them too."""
+    imports its packages X (their ``__init__``), counted as imports of them too, except the root
+    ``kt_ft`` (the facade: every module passes through it, and it imports nothing at load)."""
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
     top: list[tuple[int, str]] = []
@@ -123,10 +86,12 @@ def kt_imports(
         if not name or not name.startswith("kt_ft"):
             return
         parts = name.split(".")
-        for i in range(1, len(parts) + 1):  # the packages on the way, then the module
+        for i in range(2, len(parts) + 1):  # the packages on the way, then the module
             prefix = ".".join(parts[:i])
             if prefix != module and not module.startswith(prefix + "."):
                 out.append((line, prefix))
+        if name == "kt_ft" and module != "kt_ft":
+            out.append((line, name))
 
     def visit(node, in_function):
         for child in ast.iter_child_nodes(node):
@@ -149,25 +114,34 @@ def kt_imports(
     return top, local
 
 
+def import_graph(package: Path = PACKAGE) -> dict[str, set[tuple[int, str]]]:
+    """Module -> every kt_ft module it imports, at module level or inside a function: (line, name)."""
+    known = all_modules(package)
+    graph = {}
+    for m, p in known.items():
+        top, local = kt_imports(m, p, known)
+        graph[m] = set(top) | set(local)
+    return graph
+
+
 def layer_violations(package: Path = PACKAGE, layers: dict[str, tuple[str, ...]] = LAYERS) -> list[str]:
-    """Module-level imports from a lower layer to a higher one, as 'file:line: a (layer) -> b (layer)'."""
+    """Imports (module-level or deferred) from a lower layer to a higher one, as
+    'file:line: a (layer) imports b (layer)'."""
     names = list(layers)
     out = []
     known = all_modules(package)
-    for module, path in known.items():
+    for module, edges in import_graph(package).items():
         own = layer_of(module, layers)
-        top, _ = kt_imports(module, path, known)
-        for line, target in top:
+        for line, target in sorted(edges):
             other = layer_of(target, layers)
             if other > own:
-                out.append(f"{path.name}:{line}: {module} ({names[own]}) imports {target} ({names[other]})")
+                out.append(
+                    f"{known[module].name}:{line}: {module} ({names[own]}) imports {target} ({names[other]})"
+                )
     return out
 
 
-def import_cycles(package: Path = PACKAGE) -> list[list[str]]:
-    """Cycles of module-level imports (each as the list of modules around it)."""
-    known = all_modules(package)
-    graph = {m: {t for _, t in kt_imports(m, p, known)[0]} for m, p in known.items()}
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     cycles, state = [], {}
 
     def walk(node, stack):
@@ -187,6 +161,44 @@ def import_cycles(package: Path = PACKAGE) -> list[list[str]]:
     return cycles
 
 
+def import_cycles(package: Path = PACKAGE) -> list[list[str]]:
+    """Cycles of imports between modules, deferred ones included (each as the modules around it)."""
+    return _cycles({m: {t for _, t in edges} for m, edges in import_graph(package).items()})
+
+
+def package_of(module: str, known: dict[str, Path]) -> str:
+    return module if known[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def package_cycles(package: Path = PACKAGE) -> list[list[str]]:
+    """Cycles between packages (folders): package A imports a module of B and B one of A. The
+    packages a dotted import passes through do not count; only the modules it names."""
+    known = all_modules(package)
+    graph: dict[str, set[str]] = {}
+    for m, edges in import_graph(package).items():
+        src = package_of(m, known)
+        for _, t in edges:
+            if known[t].name == "__init__.py" and t in {x.rpartition(".")[0] for x in known}:
+                continue  # a package on the way (or the package's own doc module)
+            dst = package_of(t, known)
+            if dst != src:
+                graph.setdefault(src, set()).add(dst)
+    return _cycles(graph)
+
+
+def leaf_violations(package: Path = PACKAGE, leaves: dict[str, tuple[str, ...]] = LEAVES) -> list[str]:
+    """Imports of a leaf package from outside it by modules other than its allowed importers."""
+    out = []
+    for m, edges in import_graph(package).items():
+        for leaf, allowed in leaves.items():
+            if m == leaf or m.startswith(leaf + ".") or m in allowed:
+                continue
+            for line, t in sorted(edges):
+                if t == leaf or t.startswith(leaf + "."):
+                    out.append(f"{m}:{line} imports {t} (only {', '.join(allowed)} may)")
+    return out
+
+
 def unexplained_local_imports(package: Path = PACKAGE) -> list[str]:
     out = []
     known = all_modules(package)
@@ -202,17 +214,29 @@ def unexplained_local_imports(package: Path = PACKAGE) -> list[str]:
     return out
 
 
-def test_every_module_is_in_a_layer():
-    for module in all_modules():
-        layer_of(module)  # raises for a new module nobody placed
+def test_every_module_is_in_a_layer_folder():
+    """Every module lives in one of the layer folders (the root holds only the facade)."""
+    for module, path in all_modules().items():
+        assert path.parent != PACKAGE or path.name in ("__init__.py", "__main__.py"), (
+            f"{path} sits at the package root: move it into one of {', '.join(LAYER_NAMES)}"
+        )
+        layer_of(module)
 
 
-def test_no_module_level_import_goes_up_a_layer():
+def test_no_import_goes_up_a_layer():
     assert layer_violations() == []
 
 
-def test_no_import_cycle():
+def test_no_import_cycle_between_modules():
     assert import_cycles() == []
+
+
+def test_no_import_cycle_between_packages():
+    assert package_cycles() == []
+
+
+def test_leaf_packages_are_imported_only_by_their_front_end():
+    assert leaf_violations() == []
 
 
 def test_function_local_kt_ft_imports_say_why():
@@ -223,7 +247,7 @@ def test_every_module_imports_on_its_own():
     """Each module imported with no other kt-ft module loaded (all are dropped from
     ``sys.modules`` between two), in one fresh interpreter (torch and the like stay loaded: a
     process per module would take minutes): an import cycle that only works in some import order
-    fails here; ``test_no_import_cycle`` checks the same statically."""
+    fails here; ``test_no_import_cycle_between_modules`` checks the same statically."""
     script = (
         "import importlib, sys, traceback\n"
         "bad = []\n"
@@ -243,7 +267,8 @@ def test_every_module_imports_on_its_own():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-# The checker itself: it must see a violation, a cycle and an unexplained local import.
+# The checker itself: it must see an upward import (deferred ones too), a module cycle, a package
+# cycle, a leaf imported from elsewhere and an unexplained local import.
 
 
 @pytest.fixture
@@ -251,34 +276,64 @@ def toy(tmp_path):
     pkg = tmp_path / "kt_ft"
     for rel, text in {
         "__init__.py": "",
-        "errors.py": "",
-        "rules/__init__.py": "",
-        "rules/plan.py": "from ..moe import experts\n",  # planning -> runtime: up a layer
-        "moe/__init__.py": "",
-        "moe/experts.py": "from . import patch\n",
-        "moe/patch.py": "from .experts import x\n\ndef f():\n    from ..rules import plan\n",
+        "base/__init__.py": "",
+        "base/errors.py": "",
+        "plan/__init__.py": "",
+        "plan/rules.py": "from ..runtime import experts\n",  # plan -> runtime: up a layer
+        "plan/cost.py": "def f():\n    from ..runtime import patch  # why: dodges nothing, still upward\n",
+        "runtime/__init__.py": "",
+        "runtime/experts.py": "from . import patch\n",
+        "runtime/patch.py": "from .experts import x\n\ndef f():\n    from ..plan import rules\n",
+        "runtime/sub/__init__.py": "",
+        "runtime/sub/leaf.py": "from ..experts import x\n",
+        "runtime/uses_leaf.py": "from .sub import leaf\n",
     }.items():
         (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
         (pkg / rel).write_text(text)
-    layers = {"base": ("kt_ft", "kt_ft.errors"), "planning": ("kt_ft.rules",), "runtime": ("kt_ft.moe",)}
+    layers = {
+        "base": ("kt_ft.base",),
+        "plan": ("kt_ft.plan",),
+        "runtime": ("kt_ft.runtime",),
+        "facade": ("kt_ft",),
+    }
     return pkg, layers
 
 
-def test_checker_sees_an_upward_import(toy):
+def test_checker_sees_upward_imports_deferred_ones_too(toy):
     pkg, layers = toy
     assert layer_violations(pkg, layers) == [
-        "plan.py:1: kt_ft.rules.plan (planning) imports kt_ft.moe (runtime)",
-        "plan.py:1: kt_ft.rules.plan (planning) imports kt_ft.moe.experts (runtime)",
+        "cost.py:2: kt_ft.plan.cost (plan) imports kt_ft.runtime (runtime)",
+        "cost.py:2: kt_ft.plan.cost (plan) imports kt_ft.runtime.patch (runtime)",
+        "rules.py:1: kt_ft.plan.rules (plan) imports kt_ft.runtime (runtime)",
+        "rules.py:1: kt_ft.plan.rules (plan) imports kt_ft.runtime.experts (runtime)",
     ]
-    assert layer_violations(pkg, {**layers, "planning": ("kt_ft.rules", "kt_ft.moe")}) == []
+    assert layer_violations(pkg, {**layers, "plan": ("kt_ft.plan", "kt_ft.runtime")}) == []
 
 
-def test_checker_sees_a_cycle_and_an_unexplained_local_import(toy):
+def test_checker_sees_module_and_package_cycles(toy):
     pkg, _ = toy
-    assert import_cycles(pkg) == [["kt_ft.moe.experts", "kt_ft.moe.patch", "kt_ft.moe.experts"]]
+    cycles = [set(c) for c in import_cycles(pkg)]
+    assert any({"kt_ft.runtime.experts", "kt_ft.runtime.patch"} <= c for c in cycles), cycles
+    packages = [set(c) for c in package_cycles(pkg)]
+    # runtime.patch's deferred import of plan.rules closes plan -> runtime -> plan
+    assert {"kt_ft.plan", "kt_ft.runtime"} in packages, packages
+    # runtime -> runtime.sub (uses_leaf) and runtime.sub -> runtime (leaf): a cycle between folders
+    assert {"kt_ft.runtime", "kt_ft.runtime.sub"} in packages, packages
+
+
+def test_checker_sees_a_leaf_imported_from_elsewhere(toy):
+    pkg, _ = toy
+    assert leaf_violations(pkg, {"kt_ft.runtime.sub": ("kt_ft.runtime.patch",)}) == [
+        "kt_ft.runtime.uses_leaf:1 imports kt_ft.runtime.sub (only kt_ft.runtime.patch may)",
+        "kt_ft.runtime.uses_leaf:1 imports kt_ft.runtime.sub.leaf (only kt_ft.runtime.patch may)",
+    ]
+
+
+def test_checker_sees_an_unexplained_local_import(toy):
+    pkg, _ = toy
     assert unexplained_local_imports(pkg) == [
-        "patch.py:4: kt_ft.moe.patch imports kt_ft.rules inside a function: from ..rules import plan",
-        "patch.py:4: kt_ft.moe.patch imports kt_ft.rules.plan inside a function: from ..rules import plan",
+        "patch.py:4: kt_ft.runtime.patch imports kt_ft.plan inside a function: from ..plan import rules",
+        "patch.py:4: kt_ft.runtime.patch imports kt_ft.plan.rules inside a function: from ..plan import rules",
     ]
     with pytest.raises(KeyError, match="kt_ft.lora is in no layer"):
-        layer_of("kt_ft.lora", {"base": ("kt_ft.errors",)})
+        layer_of("kt_ft.lora", {"base": ("kt_ft.base",)})

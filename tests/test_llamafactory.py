@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from kt_ft.errors import KTConfigError
-from kt_ft.moe.experts import KTExperts
+from kt_ft.base.errors import KTConfigError
+from kt_ft.runtime.experts import KTExperts
 
 pytest.importorskip("llamafactory")
 
@@ -38,7 +38,7 @@ def recipe(demo_assets, tmp_path, **overrides):
 
 def test_hook_is_installed_without_importing_torch():
     code = (
-        "import sys; from kt_ft._startup import PostImportFinder;"
+        "import sys; from kt_ft.integrations.startup import PostImportFinder;"
         "assert any(isinstance(f, PostImportFinder) for f in sys.meta_path), 'hook missing';"
         "assert 'torch' not in sys.modules and 'llamafactory' not in sys.modules, 'start-up imported heavy modules'"
     )

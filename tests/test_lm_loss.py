@@ -1,4 +1,4 @@
-"""The chunked causal-LM loss (kt_ft/models/lm_loss.py) against transformers' own: the function on
+"""The chunked causal-LM loss (kt_ft/backends/lm_loss.py) against transformers' own: the function on
 fresh random inputs against F.cross_entropy of the full logits (fp32: loss rel 1e-6, gradient
 1e-6 of its largest entry; several chunks forced), and whole models (kt_ft.apply on a PEFT model)
 against the same model without it: loss and every gradient (fp32: rel 1e-5 / 1e-5 of the largest
@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model
 from tiny_models import tiny_model
 
 import kt_ft
-from kt_ft.models import lm_loss
+from kt_ft.backends import lm_loss
 
 
 def _seed() -> int:
@@ -140,10 +140,12 @@ def test_the_estimate_counts_the_chunked_loss(monkeypatch, capsys):
     """``kt-ft rules plan``'s GPU activations: transformers' 14 bytes a logit, or the chunk's."""
     from transformers import AutoConfig
 
-    from kt_ft.models import FAMILIES
-    from kt_ft.rules import load_rules, make_plan, resolve_rule_path
-    from kt_ft.rules.report import LOSS_BYTES_PER_LOGIT, TrainSizes, estimate
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.formats.skeleton import meta_model
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.families import FAMILIES
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.plan.placement import make_plan
+    from kt_ft.plan.report import LOSS_BYTES_PER_LOGIT, TrainSizes, estimate
 
     config = AutoConfig.for_model("qwen3_moe", **{**FAMILIES["qwen3_moe"].demo_config, "vocab_size": 151936})
     model = meta_model(config, torch.bfloat16)

@@ -2,7 +2,7 @@
 
 A random bf16 qwen3_moe checkpoint with 288 MiB of routed experts (4 layers x 64 experts of
 H 512, I 384; per-expert keys as transformers writes them) is loaded the way kt-ft loads it on a
-CPU machine (``kt_ft.moe.loading.load_planned`` with the plan's device map, everything on the
+CPU machine (``kt_ft.runtime.loading.load_planned`` with the plan's device map, everything on the
 CPU) by ``scripts/load_memory.py --probe`` in a fresh process, from a cold page cache.
 
 Bound: peak RSS growth (VmHWM after loading, reset after imports and a warm-up load, minus VmRSS

@@ -21,9 +21,11 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from kt_ft.models import FAMILIES
-from kt_ft.moe.loading import KTDeviceMap, device_map_from_plan, install_dispatch_guard
-from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.runtime.loading import KTDeviceMap, device_map_from_plan, install_dispatch_guard
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -41,9 +43,10 @@ def status(key):
 
 big, small = sys.argv[1], sys.argv[2]
 AutoModelForCausalLM.from_pretrained(small, dtype="auto", device_map={"": "cpu"})  # warm-up
-from kt_ft.models import FAMILIES
-from kt_ft.moe.loading import load_planned, planned_device_map
-from kt_ft.rules import load_rules, resolve_rule_path
+from kt_ft.plan.family import FAMILIES
+from kt_ft.runtime.loading import load_planned, planned_device_map
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.loader import load_rules
 from transformers import AutoConfig
 
 config = AutoConfig.from_pretrained(big)
@@ -128,7 +131,7 @@ def test_llamafactory_refuses_a_rule_before_reading_weights(demo_assets, tmp_pat
     from llamafactory.model import load_model, load_tokenizer
     from transformers import AutoModelForCausalLM
 
-    from kt_ft.errors import KTConfigError
+    from kt_ft.base.errors import KTConfigError
 
     rule = tmp_path / "gpu.yaml"
     rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, gpu_experts: 9}\n")  # of 8
@@ -158,7 +161,7 @@ def test_streamed_experts_equal_transformers_loading_bitwise(family, tmp_path):
     experts' storage stays resizable (a backend with its own copy frees kt-ft's: test_host_copy.py)."""
     from transformers import AutoModelForCausalLM
 
-    from kt_ft.moe.loading import load_planned, plan_expert_reader, planned_device_map
+    from kt_ft.runtime.loading import load_planned, plan_expert_reader, planned_device_map
 
     fam = FAMILIES[family]
     tiny_model(family).save_pretrained(tmp_path)
@@ -182,8 +185,8 @@ def test_unreadable_expert_layout_falls_back_with_the_reason(tmp_path, caplog):
     """Quantized experts (gpt_oss's MXFP4 ``_blocks``/``_scales`` here) are left to transformers."""
     from safetensors.torch import save_file
 
-    from kt_ft.moe.expert_files import find_expert_sources
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.formats.expert_files import find_expert_sources
+    from kt_ft.formats.skeleton import meta_model
 
     model = tiny_model("gpt_oss")
     name = "model.layers.0.mlp.experts"

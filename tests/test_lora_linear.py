@@ -1,4 +1,4 @@
-"""The fused LoRA linear (kt_ft/lora/linear.py) against PEFT's own forward and backward.
+"""The fused LoRA linear (kt_ft/backends/lora_linear.py) against PEFT's own forward and backward.
 
 PEFT is the independent reference: each test builds a PEFT model, copies it, gives the copy the
 fused forward and compares outputs and every gradient on fresh random inputs (seed printed).
@@ -16,7 +16,7 @@ from compare import fresh_seed as _seed
 
 peft = pytest.importorskip("peft")
 
-from kt_ft.lora.linear import install_fused_lora  # noqa: E402
+from kt_ft.backends.lora_linear import install_fused_lora  # noqa: E402
 
 
 class _Net(torch.nn.Module):

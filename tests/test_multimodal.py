@@ -23,8 +23,12 @@ pytest.importorskip("llamafactory")
 
 from vl_runs import train  # noqa: E402
 
-from kt_ft.demo_vl import VL_DEMOS, make_demo_vl_model  # noqa: E402
-from kt_ft.llamafactory.patch_embed import PatchConv3dAsMatmul, conv3d_refused, replace_patch_conv3d  # noqa: E402
+from kt_ft.integrations.demo.vision import VL_DEMOS, make_demo_vl_model  # noqa: E402
+from kt_ft.integrations.llamafactory.patch_embed import (  # noqa: E402
+    PatchConv3dAsMatmul,
+    conv3d_refused,
+    replace_patch_conv3d,
+)
 
 GROUPS = ("vision", "projector", "language", "experts")
 # lr-0 losses, use_kt true vs false (fp32; the CPU op sums the top-k in another order than HF)
@@ -137,10 +141,10 @@ def test_rule_names_match_under_peft_and_language_model_prefixes(vl_assets):
     PEFT's prefix (the meta-skeleton plan and the plan inside PEFT agree)."""
     from transformers import AutoConfig
 
-    from kt_ft.models import family_of
-    from kt_ft.rules import make_plan
-    from kt_ft.rules.loader import load_rules, rule_names
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.formats.skeleton import meta_model
+    from kt_ft.plan.family import family_of
+    from kt_ft.plan.loader import load_rules, rule_names
+    from kt_ft.plan.placement import make_plan
 
     assert rule_names("base_model.model.model.language_model.layers.3.mlp.experts") == (
         "model.language_model.layers.3.mlp.experts",
@@ -315,10 +319,11 @@ def test_real_model_recipe_is_consistent():
     from llamafactory.data.template import TEMPLATES
     from transformers import AutoConfig
 
-    from kt_ft.hparams import KTArguments
-    from kt_ft.models import family_of
-    from kt_ft.models.tiny import tiny_config
-    from kt_ft.rules import load_rules, resolve_rule_path
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.family import family_of
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.plan.recipe import KTArguments
+    from kt_ft.plan.tiny import tiny_config
 
     repo = Path(__file__).resolve().parents[1]
     family = family_of(tiny_config("qwen3_vl_moe"))
@@ -338,8 +343,8 @@ def test_real_model_recipe_is_consistent():
 
 
 def test_image_dataset_on_a_text_only_model_is_refused(vl_assets, tmp_path):
-    from kt_ft.demo import make_demo_model
-    from kt_ft.errors import KTConfigError
+    from kt_ft.base.errors import KTConfigError
+    from kt_ft.integrations.demo.text import make_demo_model
 
     text = make_demo_model(tmp_path / "text")
     with pytest.raises(
@@ -350,7 +355,7 @@ def test_image_dataset_on_a_text_only_model_is_refused(vl_assets, tmp_path):
 
 
 def test_a_scope_that_freezes_everything_is_refused(vl_assets, tmp_path):
-    from kt_ft.errors import KTConfigError
+    from kt_ft.base.errors import KTConfigError
 
     with pytest.raises(KTConfigError, match="freeze_language_model=true") as err:
         train(vl_assets, tmp_path / "out", freeze_language_model=True)
@@ -416,7 +421,7 @@ def test_merge_gives_the_trained_models_logits_with_images(both_run, vl_assets, 
     transposed expert layout, the same model."""
     from transformers import AutoModelForImageTextToText
 
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     inputs = image_inputs(vl_assets)
     want = logits_of(lf_infer_model(vl_assets, both_run), inputs)
@@ -442,7 +447,7 @@ def test_hub_layout_experts_are_read_straight_from_the_files(vl_assets, tmp_path
     kt-ft itself into the same tensors transformers loads from the untransposed file (exact)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from kt_ft.moe.loading import install_dispatch_guard, plan_expert_reader
+    from kt_ft.runtime.loading import install_dispatch_guard, plan_expert_reader
 
     hub = hub_layout_copy(vl_assets / "model", tmp_path / "hub")
     names = [f"model.language_model.layers.{i}.mlp.experts" for i in range(2)]
@@ -462,7 +467,7 @@ def test_hub_layout_experts_are_read_straight_from_the_files(vl_assets, tmp_path
 def test_convert_writes_per_expert_keys_under_the_language_model(both_run, tmp_path):
     """`kt-ft convert`: expert e of layer L is model.language_model.layers.L.mlp.experts.e.*_proj,
     A / B the slices of the fp32 expert LoRA; the vision and language PEFT keys are copied."""
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     assert main(["convert", str(both_run), str(tmp_path / "conv")]) == 0
     got = load_file(str(tmp_path / "conv" / "adapter_model.safetensors"))
@@ -480,7 +485,7 @@ def test_convert_writes_per_expert_keys_under_the_language_model(both_run, tmp_p
 
 
 def test_chunked_loss_of_a_vision_language_model_with_its_aux_loss(vl_assets):
-    """The chunked loss (kt_ft/models/lm_loss.py) on the Qwen3-VL-MoE composite, its router's
+    """The chunked loss (kt_ft/backends/lm_loss.py) on the Qwen3-VL-MoE composite, its router's
     auxiliary loss on (its weight lives in the text config): loss and every gradient as the model's
     own forward (fp32: rel 1e-5, 1e-5 of the largest gradient), text-only input."""
     import copy

@@ -31,8 +31,8 @@ from lf_api import MISSING_API, http_json, start_api, stop_api, stream_text  # n
 from lf_runs import CLI, REPO  # noqa: E402
 from vl_runs import train  # noqa: E402
 
-from kt_ft.demo_vl import make_demo_vl_model  # noqa: E402
-from kt_ft.errors import KTConfigError  # noqa: E402
+from kt_ft.base.errors import KTConfigError  # noqa: E402
+from kt_ft.integrations.demo.vision import make_demo_vl_model  # noqa: E402
 
 SEED = 42  # vl_runs.train's training seed
 NEW_TOKENS = 12
@@ -59,7 +59,7 @@ def adapter(vl_assets, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def merged(adapter, tmp_path_factory) -> Path:
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     out = tmp_path_factory.mktemp("merged") / "model"
     assert main(["merge", str(adapter), str(out)]) == 0

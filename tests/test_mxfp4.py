@@ -7,7 +7,7 @@ the same for ``down_proj``, biases bf16).
 
 Independent references: transformers' own MXFP4 code (``convert_moe_packed_tensors``, and
 ``from_pretrained`` with ``Mxfp4Config(dequantize=True)``, which dequantizes the same bytes and
-runs its own GptOss model), the bit-by-bit twin of ``kt_ft/quant/reference.py``, and a hand-packed
+runs its own GptOss model), the bit-by-bit twin of ``kt_ft/backends/quant_reference.py``, and a hand-packed
 byte. Training parity: kt-ft's MXFP4 model (torch and reference backends; resident and streamed
 experts on the CPU as the "device") against transformers' dequantized model with the expert LoRA
 folded into its weights (W + s B A in fp32): loss rel 1e-5, and the gradients of every other
@@ -27,12 +27,13 @@ import torch
 from safetensors import safe_open
 from tiny_models import tiny_model
 
-from kt_ft.cli import main as cli
-from kt_ft.errors import KTConfigError
-from kt_ft.models import FAMILIES
-from kt_ft.quant import FORMATS, QuantizedExperts, detect_format
-from kt_ft.quant import reference as R
-from kt_ft.quant.detect import take_quantization_config
+from kt_ft.backends import quant_reference as R
+from kt_ft.backends.quant import FORMATS
+from kt_ft.backends.quant_detect import detect_format, take_quantization_config
+from kt_ft.backends.quant_weights import QuantizedExperts
+from kt_ft.base.errors import KTConfigError
+from kt_ft.integrations.cli.main import main as cli
+from kt_ft.plan.families import FAMILIES
 
 mxfp4_module = pytest.importorskip("transformers.integrations.mxfp4")
 
@@ -140,7 +141,7 @@ def test_quantize_writes_gpt_oss_hub_layout(oss):
     assert f"{key}.gate_up_proj" not in shapes and f"{key}.down_proj" not in shapes
     tiny_model("qwen3_moe").to(torch.bfloat16).save_pretrained(oss / "qwen")
     with pytest.raises(KTConfigError, match="model_type='qwen3_moe'; --format mxfp4 .* valid formats"):
-        from kt_ft.export.quantize import quantize_checkpoint
+        from kt_ft.integrations.export.quantize import quantize_checkpoint
 
         quantize_checkpoint(oss / "qwen", oss / "qwen_mx", "mxfp4")
 
@@ -150,8 +151,8 @@ def test_a_wrong_scale_shape_names_the_tensor_and_file(oss, tmp_path):
     expert is read, naming the tensor, its file, what it is and what the format wants."""
     from safetensors.torch import load_file, save_file
 
-    from kt_ft.quant.loading import find_quantized_sources
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.formats.skeleton import meta_model
+    from kt_ft.runtime.quant_loading import find_quantized_sources
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -175,9 +176,10 @@ def _load(model_dir, backend="torch", dtype=torch.float32):
     the experts' input)."""
     from transformers import AutoConfig
 
-    from kt_ft.moe.loading import load_planned, planned_device_map
-    from kt_ft.moe.patch import replace_routed_experts
-    from kt_ft.rules import load_rules, resolve_rule_path
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.runtime.loading import load_planned, planned_device_map
+    from kt_ft.runtime.patch import replace_routed_experts
 
     config = AutoConfig.from_pretrained(model_dir)
     take_quantization_config(config)
@@ -289,7 +291,7 @@ def test_training_matches_transformers(oss, placement):
     tests/test_resident.py does) and the rest on the CPU op; experts 1, 2, 6 streamed through one
     stream buffer for both layers (so the backward fetches them back), expert 0 resident. Every
     dequantization is one expert's projection."""
-    from kt_ft.moe.streamed import StreamScheduler
+    from kt_ft.runtime.streamed import StreamScheduler
 
     print(f"seed {SEED}")
     backend = placement.partition(":")[2] or "torch"
@@ -331,9 +333,10 @@ def test_experts_interface_dispatch_reads_mxfp4_experts(oss):
     the largest logit)."""
     from transformers import AutoConfig
 
-    from kt_ft.models.dispatch import use_kt_ft_experts
-    from kt_ft.moe.loading import load_planned, planned_device_map
-    from kt_ft.rules import load_rules, resolve_rule_path
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.runtime.dispatch import use_kt_ft_experts
+    from kt_ft.runtime.loading import load_planned, planned_device_map
 
     config = AutoConfig.from_pretrained(oss / "mxfp4")
     take_quantization_config(config)
@@ -378,7 +381,7 @@ def test_manifest_records_mxfp4_and_merge_refuses_it(tmp_path, capsys):
     pytest.importorskip("llamafactory")
     from test_quant import assert_quantized_adapter_round_trip
 
-    from kt_ft.demo import make_demo_model
+    from kt_ft.integrations.demo.text import make_demo_model
 
     assets = make_demo_model(tmp_path / "demo", family="gpt_oss")
     merged = assert_quantized_adapter_round_trip(assets, "mxfp4", tmp_path, capsys)
@@ -455,7 +458,7 @@ def test_lr0_losses_through_llamafactory_cli_match_the_dequantized_copy(tmp_path
     pytest.importorskip("llamafactory")
     from lf_runs import LOSS_RTOL, finish, start_train, step_losses
 
-    from kt_ft.demo import make_demo_model
+    from kt_ft.integrations.demo.text import make_demo_model
 
     assets = make_demo_model(tmp_path / "demo", family="gpt_oss")
     q, plain = tmp_path / "mxfp4", tmp_path / "fp32"

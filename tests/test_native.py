@@ -1,4 +1,4 @@
-"""kt-ft's native CPU GEMMs (``kernels/expert_gemm.cpp`` via ``kt_ft/kernels/native.py``) and the
+"""kt-ft's native CPU GEMMs (``kernels/expert_gemm.cpp`` via ``kt_ft/backends/native.py``) and the
 ``native`` backend.
 
 GEMMs, every path (``PATHS``) this CPU runs, forced one at a time; a path the CPU lacks skips
@@ -30,10 +30,11 @@ import torch
 from moe_inputs import make_problem
 from test_kernels import CASES, assert_close, run_backend
 
-from kt_ft.errors import KTConfigError
-from kt_ft.kernels import BACKENDS, LoraTensors, native_build, select_backend
-from kt_ft.kernels import native as nt
-from kt_ft.kernels.base import ExpertWeights
+from kt_ft.backends import native as nt
+from kt_ft.backends import native_build
+from kt_ft.backends.base import ExpertWeights, LoraTensors
+from kt_ft.backends.registry import BACKENDS, select_backend
+from kt_ft.base.errors import KTConfigError
 
 GEMM_TOL = 1e-5
 OP_TOL = 2e-5
@@ -134,7 +135,7 @@ def test_gemm_nt_and_nn_match_matmul(isa, beta, threads, shape, rng):
 
 
 def test_isa_from_the_setting(monkeypatch, rng):
-    """KT_FT_NATIVE_ISA (kt_ft/settings.py) picks the path when no argument does; a bad value is refused."""
+    """KT_FT_NATIVE_ISA (kt_ft/base/settings.py) picks the path when no argument does; a bad value is refused."""
     g = seeded(rng)
     x, w = torch.randn(9, 70, generator=g), torch.randn(20, 70, generator=g).bfloat16()
     results = {}
@@ -303,7 +304,7 @@ def test_native_backend_availability_and_auto():
     takes it on CPUs without native bf16 for bf16 weights, else passes it over (saying why)."""
     from moe_inputs import GPT_OSS_SPEC
 
-    from kt_ft.kernels.native_backend import cpu_has_native_bf16
+    from kt_ft.backends.native_backend import cpu_has_native_bf16
 
     cls = BACKENDS["native"]
     assert cls.unavailable_reason(torch.bfloat16) is None
@@ -330,7 +331,7 @@ def test_loader_without_a_library_says_how_to_build(tmp_path, monkeypatch):
         why = nt.unavailable_reason()
         assert why is not None and "KT_FT_NATIVE_BUILD=0" in why and "--build" in why
         assert BACKENDS["native"].unavailable_reason(torch.bfloat16) == why
-        # the dev-tree build command (`python -m kt_ft.kernels.native --build`) fills the cache
+        # the dev-tree build command (`python -m kt_ft.backends.native --build`) fills the cache
         assert nt.main(["--build"]) == 0
         assert nt.unavailable_reason() is None
         assert list((tmp_path / "cache" / "native").glob(f"*/{native_build.LIB_NAME}"))

@@ -16,11 +16,16 @@ from peft import LoraConfig, get_peft_model
 from tiny_models import tiny_model
 from torch import nn
 
-from kt_ft.kernels import LORA_NAMES, ExpertSpec, ExpertWeights, LoraTensors, reference_moe
-from kt_ft.models import FAMILIES, unwrap_peft
-from kt_ft.moe.experts import KTExperts
-from kt_ft.moe.patch import replace_routed_experts
-from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+from kt_ft.backends.base import ExpertSpec, ExpertWeights, LoraTensors
+from kt_ft.backends.reference import reference_moe
+from kt_ft.formats.lora_layout import LORA_NAMES
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.family import unwrap_peft
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.runtime.experts import KTExperts
+from kt_ft.runtime.patch import replace_routed_experts
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 

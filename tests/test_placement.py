@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 
-from kt_ft.placement.cost import (
+from kt_ft.plan.cost import (
     LayerShape,
     LayerSplit,
     LayerTimes,
@@ -27,7 +27,7 @@ from kt_ft.placement.cost import (
     non_expert_flops,
     predict,
 )
-from kt_ft.placement.planner import PlannerInput, choose_splits
+from kt_ft.plan.splits import PlannerInput, choose_splits
 
 SHAPE = LayerShape(num_experts=4, hidden=100, inter=50, top_k=2, weight_bytes=2, act_bytes=2)
 B = 30_000  # bytes per expert
@@ -339,7 +339,7 @@ def test_resident_layers_are_spread_through_the_depth(monkeypatch):
 def test_lora_home_keeps_a_lora_the_planner_left_on_the_cpu():
     import torch
 
-    from kt_ft.placement.homes import lora_home
+    from kt_ft.plan.homes import lora_home
 
     gpu = torch.device("cuda:0")  # a device object only: no CUDA needed
     assert lora_home(gpu, True) == gpu

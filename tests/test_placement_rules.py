@@ -12,12 +12,12 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from kt_ft.cli import main
-from kt_ft.errors import KTConfigError
-from kt_ft.kernels.grouped_wide import wide_extra_bytes
-from kt_ft.placement import measure
-from kt_ft.placement.cost import LayerShape, Rates
-from kt_ft.rules import load_rules
+from kt_ft.backends.grouped_wide import wide_extra_bytes
+from kt_ft.base.errors import KTConfigError
+from kt_ft.integrations.cli.main import main
+from kt_ft.plan.cost import LayerShape, Rates
+from kt_ft.plan.loader import load_rules
+from kt_ft.runtime import measure
 
 EXPERT_BYTES = 3 * 64 * 32 * 4
 # one resident expert: its weights and, kept in the wide layout (kernels/grouped_wide.py), the

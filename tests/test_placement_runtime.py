@@ -14,10 +14,11 @@ import pytest
 import torch
 from test_resident import ALPHA, RANK, _train_keep, batches, build, kt_layers, train
 
-from kt_ft.placement.cost import LayerShape, Rates
-from kt_ft.placement.runtime import Replanner, auto_at_start, tv_distance
-from kt_ft.rules import load_rules, make_plan
-from kt_ft.rules.report import TrainSizes, estimate
+from kt_ft.plan.cost import LayerShape, Rates
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.plan.report import TrainSizes, estimate
+from kt_ft.runtime.replan import Replanner, auto_at_start, tv_distance
 
 AUTO_RULE = "- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch, placement: auto}\n"
 EXPERT = 3 * 64 * 32 * 4
@@ -36,8 +37,8 @@ def auto_model(tmp_path, n_resident, rates=FAST_GPU, **model_kw):
     from test_parity import ATTN
     from tiny_models import tiny_model
 
-    from kt_ft.models import FAMILIES
-    from kt_ft.moe.patch import replace_routed_experts
+    from kt_ft.plan.families import FAMILIES
+    from kt_ft.runtime.patch import replace_routed_experts
 
     rule = tmp_path / "auto.yaml"
     rule.write_text(AUTO_RULE)
@@ -148,8 +149,8 @@ def test_prediction_sees_the_streamed_experts_the_run_streams(tmp_path, stream, 
     predicting the all-CPU step)."""
     from tiny_models import tiny_model
 
-    from kt_ft.models import FAMILIES
-    from kt_ft.placement.auto import current_splits
+    from kt_ft.plan.auto import current_splits
+    from kt_ft.plan.families import FAMILIES
 
     rule = tmp_path / "r.yaml"
     rule.write_text(
@@ -167,8 +168,8 @@ def test_cpu_rate_of_the_run_replaces_the_planned_one(tmp_path):
     and step 3 give its rate in the run (FLOPs counted as the cost model counts them); off by more
     than 1.25x from the planned rate, it replaces it and the planner runs again; within, nothing
     happens; at most MAX_CALIBRATIONS replacements. Counters set by hand: no timing in the test."""
-    from kt_ft.placement.cost import LayerShape
-    from kt_ft.placement.runtime import CALIBRATE_AFTER, MAX_CALIBRATIONS
+    from kt_ft.plan.cost import LayerShape
+    from kt_ft.runtime.replan import CALIBRATE_AFTER, MAX_CALIBRATIONS
 
     model, ctx, _ = auto_model(tmp_path, 3)
     rp = Replanner(ctx, every=0, threshold=0.1)
@@ -216,8 +217,8 @@ def test_trial_measures_the_gpu_only_split_and_keeps_the_faster(tmp_path, monkey
     settling step then TRIAL_STEPS timed steps each, and the faster kept (by > TRIAL_MARGIN);
     training through both switches matches the all-CPU placement (fp32 losses rel 1e-5). Step
     times come from a fake clock: the test sets which split is faster."""
-    import kt_ft.placement.runtime as runtime
-    from kt_ft.placement.runtime import CALIBRATE_AFTER, TRIAL_STEPS
+    from kt_ft.runtime import replan as runtime
+    from kt_ft.runtime.replan import CALIBRATE_AFTER, TRIAL_STEPS
 
     rule = tmp_path / "cpu.yaml"
     rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch}\n")
@@ -268,7 +269,7 @@ def test_gpu_cap_holds_the_allocator_to_the_cap_less_the_cuda_runtime(monkeypatc
     it (context) and the room kept for kernels loaded later, as a fraction of the GPU, on the device's
     index (a bare "cuda" device means the current one); ``PYTORCH_CUDA_ALLOC_CONF`` naming
     expandable segments is left as the user set it."""
-    from kt_ft.placement import runtime
+    from kt_ft.runtime import replan as runtime
 
     gib = 2**30
     calls = []
@@ -293,9 +294,9 @@ def test_auto_at_start_under_a_gpu_cap_plans_with_the_measured_runtime(tmp_path,
     to the cap less the first two, and expandable segments are asked for."""
     from tiny_models import tiny_model
 
-    from kt_ft.models import FAMILIES
-    from kt_ft.placement import runtime
-    from kt_ft.rules.report import CUDA_GROWTH_BYTES
+    from kt_ft.plan.families import FAMILIES
+    from kt_ft.plan.report import CUDA_GROWTH_BYTES
+    from kt_ft.runtime import replan as runtime
 
     gib = 2**30
     rule = tmp_path / "auto.yaml"
@@ -322,9 +323,9 @@ def test_a_calibrated_cpu_rate_is_kept_for_the_next_run(tmp_path, monkeypatch):
     """When the start's rates came from this machine's cache (not given), the CPU rate a run
     calibrates goes back into that cache slot, and the next ``machine_rates`` call returns it,
     labelled as from a training run; given rates (tests, ``--rates``) are never written back."""
-    from kt_ft.placement import measure
-    from kt_ft.placement.cost import LayerShape
-    from kt_ft.placement.runtime import CALIBRATE_AFTER
+    from kt_ft.plan.cost import LayerShape
+    from kt_ft.runtime import measure
+    from kt_ft.runtime.replan import CALIBRATE_AFTER
 
     monkeypatch.setenv("KT_FT_CACHE_DIR", str(tmp_path / "cache"))
     shape = LayerShape(8, 64, 32, 2, 4, 4)
@@ -369,7 +370,7 @@ def test_non_expert_measurement_skips_the_routed_experts_and_leaves_the_run_as_i
     output replaced by zeros through a forward hook (an independent route to the same thing)."""
     from test_resident import build
 
-    from kt_ft.placement.non_expert import measure_non_expert, routed_experts_skipped
+    from kt_ft.runtime.non_expert import measure_non_expert, routed_experts_skipped
 
     rule = tmp_path / "cpu.yaml"
     rule.write_text("- match: {class: Qwen3MoeExperts}\n  replace: {device: cpu, backend: torch}\n")
@@ -404,9 +405,9 @@ def test_a_measured_non_expert_time_replaces_the_flop_estimate(tmp_path, monkeyp
     import logging
     from types import SimpleNamespace
 
-    import kt_ft.placement.runtime as runtime
-    from kt_ft.placement.auto import predict_plan
-    from kt_ft.placement.non_expert import NonExpertRun
+    from kt_ft.plan.auto import predict_plan
+    from kt_ft.runtime import replan as runtime
+    from kt_ft.runtime.non_expert import NonExpertRun
 
     model, ctx, _ = auto_model(tmp_path, 3)
     rp = Replanner(ctx, every=0, threshold=0.1)
@@ -442,9 +443,9 @@ def test_non_expert_memory_measured_over_the_plan_moves_experts_off_the_gpu(
     import logging
     from types import SimpleNamespace
 
-    import kt_ft.placement.runtime as runtime
-    from kt_ft.placement.non_expert import NonExpertRun
-    from kt_ft.rules.report import non_expert_activation_bytes
+    from kt_ft.plan.report import non_expert_activation_bytes
+    from kt_ft.runtime import replan as runtime
+    from kt_ft.runtime.non_expert import NonExpertRun
 
     model, ctx, _ = auto_model(tmp_path, 3)
     rp = Replanner(ctx, every=0, threshold=0.1)
@@ -466,7 +467,7 @@ def test_non_expert_memory_measured_over_the_plan_moves_experts_off_the_gpu(
 def test_gpu_busy_seconds_sums_the_kernels_not_the_idle_time():
     """The non-expert pass's GPU time (``non_expert.gpu_busy_seconds``): kernels queued with host
     sleeps between them keep the GPU busy for less than the wall time, and for more than nothing."""
-    from kt_ft.placement.non_expert import gpu_busy_seconds
+    from kt_ft.runtime.non_expert import gpu_busy_seconds
 
     a = torch.randn(2048, 2048, device="cuda")
 

@@ -1,7 +1,7 @@
 """Quantized base weights (``kt_ft/quant``): formats, loading, compute, CLI, checkpoints, plans.
 
 Every check compares against something computed another way: the vectorised dequantizers
-against the plain twins of ``kt_ft/quant/reference.py`` (and a hand-packed int4 word), the
+against the plain twins of ``kt_ft/backends/quant_reference.py`` (and a hand-packed int4 word), the
 quantized model's loss and gradients against the same model dequantized to fp32 and run by the
 pure-torch reference backend, the plan's bytes against the formula from the config, peak RSS
 against the experts' bf16 size.
@@ -26,14 +26,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tiny_models import tiny_model
 
-from kt_ft.cli import main as cli
-from kt_ft.errors import KTConfigError
-from kt_ft.export.quantize import dequantize_checkpoint, quantize_checkpoint
-from kt_ft.models import FAMILIES
-from kt_ft.quant import FORMATS, QuantizedExperts, detect_format
-from kt_ft.quant import reference as R
-from kt_ft.quant.detect import take_quantization_config
-from kt_ft.quant.formats import pack_int4
+from kt_ft.backends import quant_reference as R
+from kt_ft.backends.quant import FORMATS, pack_int4
+from kt_ft.backends.quant_detect import detect_format, take_quantization_config
+from kt_ft.backends.quant_weights import QuantizedExperts
+from kt_ft.base.errors import KTConfigError
+from kt_ft.integrations.cli.main import main as cli
+from kt_ft.integrations.export.quantize import dequantize_checkpoint, quantize_checkpoint
+from kt_ft.plan.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -74,8 +74,8 @@ def test_cpu_dequantizers_match_the_plain_twin(fmt, dequantizer, monkeypatch):
     library's path at scalar) where the library loads, else by torch: each == the plain twin,
     bitwise (NaN where the twin has NaN), one weight and several at once, bf16 and fp32, every code
     present, a shape that does not divide into FP8 blocks (nor into 8-code steps) too."""
-    from kt_ft.kernels import native
-    from kt_ft.quant import formats
+    from kt_ft.backends import native
+    from kt_ft.backends import quant as formats
 
     if dequantizer != "torch" and native.unavailable_reason():
         pytest.skip(f"native library unavailable: {native.unavailable_reason()}")
@@ -95,7 +95,7 @@ def test_cpu_dequantizers_match_the_plain_twin(fmt, dequantizer, monkeypatch):
 def test_native_dequantizers_refuse_mismatched_tensors():
     """The native dequantizers check dtypes, shapes and layout before the C call, naming the
     format and the shapes (a wrong scale shape would read past its buffer)."""
-    from kt_ft.kernels import native
+    from kt_ft.backends import native
 
     if native.unavailable_reason():
         pytest.skip(f"native library unavailable: {native.unavailable_reason()}")
@@ -135,7 +135,7 @@ def _triton_fp8_case(device: str, on_gpu: bool) -> None:
     around it untouched), fp32 and bf16, bitwise. ``on_gpu`` False (Triton's interpreter, which
     turns e4m3 NaN codes into numbers and rounds to bf16 by truncation): the NaN codes are left out
     and bf16 is checked to within one bf16 step (2^-7 relative) of the float32 value."""
-    from kt_ft.kernels import dequant_triton
+    from kt_ft.backends import dequant_triton
 
     f = FORMATS["fp8"]
     gen = torch.Generator().manual_seed(SEED)
@@ -185,7 +185,7 @@ def test_triton_fp8_dequantizer_matches_the_plain_twin_in_the_interpreter():
 def test_e4m3_bits_as_half_are_the_values_over_256(device):
     """Every one of the 256 e4m3 codes (subnormals, both zeros, the largest, NaN): the float16 of
     the bit arithmetic times 256 == torch's own conversion to float32; NaN codes give NaN."""
-    from kt_ft.quant.formats import E4M3_HALF_SCALE, e4m3_as_half
+    from kt_ft.backends.quant import E4M3_HALF_SCALE, e4m3_as_half
 
     q = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(device)
     got = e4m3_as_half(q).float() * E4M3_HALF_SCALE
@@ -225,7 +225,7 @@ def test_grouped_products_dequantize_a_bounded_chunk_of_experts(fmt, transpose, 
     equals one matmul per expert on ``w[e]`` (float32: 1e-6 of the largest entry; the same
     dequantized values, another summation order at most). With a bound that holds the layer it
     dequantizes once and reads no row counts from the device."""
-    from kt_ft.kernels.grouped_device import Groups, base_mm
+    from kt_ft.backends.grouped_device import Groups, base_mm
 
     f = FORMATS[fmt]
     gen = torch.Generator().manual_seed(SEED)
@@ -270,7 +270,7 @@ def test_grouped_products_dequantize_a_bounded_chunk_of_experts(fmt, transpose, 
 def test_the_plan_counts_the_dequantized_chunk(monkeypatch):
     """A layer of experts kept quantized needs the chunk one grouped product dequantizes beside its
     activations: min(layer, max(one expert, KT_FT_DEQUANT_CHUNK_MIB)) of gate|up weights."""
-    from kt_ft.placement.cost import LayerShape
+    from kt_ft.plan.cost import LayerShape
 
     dense = LayerShape(num_experts=128, hidden=2048, inter=768, top_k=8)
     quant = LayerShape(num_experts=128, hidden=2048, inter=768, top_k=8, stored_bytes=3 * 2048 * 768)
@@ -318,8 +318,9 @@ def test_other_quantizations_are_refused_before_loading(tmp_path, qc, key):
     """gptq / awq / bnb / other schemes: refused from config.json with file, key, value and the
     supported choices -- in ``kt-ft rules check`` and in the loader, before any weight is read
     (there are none in the directory: a loader that read weights first would fail otherwise)."""
-    from kt_ft.moe.loading import load_planned, planned_device_map
-    from kt_ft.rules import load_rules, resolve_rule_path
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.runtime.loading import load_planned, planned_device_map
 
     model = tiny_model("qwen3_moe")
     model.config.save_pretrained(tmp_path)
@@ -410,8 +411,8 @@ def test_dequantize_gives_the_twins_weights(tiny_ckpts, tmp_path):
 
 
 def test_mismatched_scale_shape_names_the_tensor_and_file(tiny_ckpts, tmp_path):
-    from kt_ft.quant.loading import find_quantized_sources
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.formats.skeleton import meta_model
+    from kt_ft.runtime.quant_loading import find_quantized_sources
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -433,8 +434,8 @@ def test_int4_scale_and_shape_dtypes_of_other_writers_are_read(tiny_ckpts, tmp_p
     """compressed-tensors writes the scale in the model's dtype (fp16 here) and the shape as int64
     (kt-ft: bf16, int64; int32 shapes are read too): such files load to the same values; experts
     whose scales differ in dtype (they are stacked) are refused naming the tensor and file."""
-    from kt_ft.quant.loading import fill_quantized_experts, find_quantized_sources
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.formats.skeleton import meta_model
+    from kt_ft.runtime.quant_loading import fill_quantized_experts, find_quantized_sources
 
     other = tmp_path / "other"
     other.mkdir()
@@ -473,9 +474,10 @@ def _load(model_dir, backend, dtype=torch.float32, rule="deepseek_v3"):
     embeddings get gradients through the routing weights and the experts' input)."""
     from transformers import AutoConfig
 
-    from kt_ft.moe.loading import load_planned, planned_device_map
-    from kt_ft.moe.patch import replace_routed_experts
-    from kt_ft.rules import load_rules, resolve_rule_path
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.runtime.loading import load_planned, planned_device_map
+    from kt_ft.runtime.patch import replace_routed_experts
 
     config = AutoConfig.from_pretrained(model_dir)
     take_quantization_config(config)
@@ -497,7 +499,7 @@ def _assert_grads(got: dict, want: dict, model, what="") -> None:
     """Every gradient of ``want`` (the dequantized fp32 model) in ``got`` within 1e-5 of its largest
     entry, but the weights of linear layers kept quantized (``QuantizedLinear``: frozen, no
     gradient; their input gradient is checked through everything before them)."""
-    from kt_ft.quant.linear import QuantizedLinear
+    from kt_ft.runtime.quant_linear import QuantizedLinear
 
     kept = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     assert got.keys() == want.keys() - kept, (what, sorted(want.keys() ^ got.keys())[:5])
@@ -544,7 +546,7 @@ def test_experts_are_dequantized_a_bounded_chunk_at_a_time(tiny_ckpts, monkeypat
     ``CPU_DEQUANT_CHUNK_BYTES`` of consecutive experts (here two experts' worth: each call's
     [n, rows, cols] has n <= 2 and one projection's rows and cols), experts with rows only; indexing
     a whole layer raises."""
-    from kt_ft.kernels import grouped
+    from kt_ft.backends import grouped
 
     model, _ = _load(tiny_ckpts / "int8", "torch", torch.bfloat16)
     f = FORMATS["int8"]
@@ -567,7 +569,7 @@ def test_experts_are_dequantized_a_bounded_chunk_at_a_time(tiny_ckpts, monkeypat
 
 
 def test_unsupported_backends_are_refused(tiny_ckpts):
-    from kt_ft.kernels import select_backend
+    from kt_ft.backends.registry import select_backend
 
     for name in ("native", "kt-kernel", "torch-ep"):
         with pytest.raises(KTConfigError, match="valid choices for them: auto, torch, reference"):
@@ -604,7 +606,7 @@ def test_streamed_quantized_experts_match_the_dequantized_model(tiny_ckpts, tmp_
     layer's saved views of it are fetched back (copied again) for its backward. Same loss and
     gradients as the dequantized fp32 model on the reference backend (tolerances of the module
     doc); the bytes that crossed are the stored ones."""
-    from kt_ft.moe.streamed import StreamScheduler
+    from kt_ft.runtime.streamed import StreamScheduler
 
     print(f"seed {SEED}")
     plain = tmp_path / "fp32"
@@ -629,8 +631,8 @@ def test_streamed_quantized_experts_match_the_dequantized_model(tiny_ckpts, tmp_
 def test_the_planner_counts_quantized_experts_as_stored(tiny_ckpts):
     """placement: auto's layer shape: an expert's bytes (resident memory, stream buffers, link time)
     are its stored ones, not the compute dtype's."""
-    from kt_ft.placement.auto import layer_shape
-    from kt_ft.rules.plan import ExpertPlacement
+    from kt_ft.plan.auto import layer_shape
+    from kt_ft.plan.placement import ExpertPlacement
 
     model, _ = _load(tiny_ckpts / "int4", "torch")
     e = ExpertPlacement("model.layers.1.mlp.experts", 1, "cpu", "torch", 1, None, placement="auto")
@@ -646,9 +648,10 @@ def test_the_estimate_of_a_run_counts_loaded_quantized_experts_as_stored(tiny_ck
     those tensors', i.e. the dequantized model's minus what dequantizing added."""
     from transformers import AutoConfig
 
-    from kt_ft.moe.loading import planned_device_map
-    from kt_ft.rules import load_rules, resolve_rule_path
-    from kt_ft.rules.report import TrainSizes, estimate
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.plan.report import TrainSizes, estimate
+    from kt_ft.runtime.loading import planned_device_map
 
     plain = tmp_path / "fp32"
     dequantize_checkpoint(tiny_ckpts / "int8", plain, "fp32")
@@ -682,7 +685,7 @@ def test_the_estimate_of_a_run_counts_loaded_quantized_experts_as_stored(tiny_ck
 def test_quantized_linear_is_the_dequantized_linear(fmt, dtype):
     """Forward and input gradient equal (bitwise: the same dequantized W, the same product) those of
     an nn.Linear holding W dequantized; nothing of W's size [out, in] is saved for the backward."""
-    from kt_ft.quant.linear import QuantizedLinear
+    from kt_ft.runtime.quant_linear import QuantizedLinear
 
     gen = torch.Generator().manual_seed(SEED)
     print(f"seed {SEED}")
@@ -716,7 +719,7 @@ def test_peft_wraps_a_quantized_linear_with_a_float_lora():
     codes are uint8, which PEFT does not cast to), trains, and the base stays frozen."""
     from peft import LoraConfig, get_peft_model
 
-    from kt_ft.quant.linear import QuantizedLinear
+    from kt_ft.runtime.quant_linear import QuantizedLinear
 
     gen = torch.Generator().manual_seed(SEED)
     f = FORMATS["fp8"]
@@ -737,7 +740,7 @@ def test_fp8_linear_layers_are_kept_quantized_at_load(tiny_ckpts, monkeypatch):
     """The fp8 checkpoint's attention and MLP projections load as QuantizedLinear (stored bytes),
     with KT_FT_KEEP_QUANTIZED_LINEAR=0 as nn.Linear holding their dequantization; same loss and
     gradients either way (the same W each call)."""
-    from kt_ft.quant.linear import QuantizedLinear
+    from kt_ft.runtime.quant_linear import QuantizedLinear
 
     model, _ = _load(tiny_ckpts / "fp8", "torch")
     kept = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
@@ -758,10 +761,11 @@ _PROBE = r"""
 import json, sys, torch
 from pathlib import Path
 from transformers import AutoConfig
-from kt_ft.models import FAMILIES
-from kt_ft.moe import loading
-from kt_ft.quant.detect import take_quantization_config
-from kt_ft.rules import load_rules, resolve_rule_path
+from kt_ft.plan.family import FAMILIES
+from kt_ft.runtime import loading
+from kt_ft.backends.quant_detect import take_quantization_config
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.loader import load_rules
 
 def status(key):
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -917,7 +921,7 @@ def test_rules_plan_counts_fp8_linear_layers_as_stored(tmp_path, capsys):
 
     from transformers import AutoConfig
 
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.formats.skeleton import meta_model
 
     d = tmp_path / "fp8h"
     d.mkdir()
@@ -1034,9 +1038,10 @@ def test_experts_interface_dispatch_reads_quantized_experts(tiny_ckpts, tmp_path
     the largest logit: another summation order)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kt_ft.models.dispatch import use_kt_ft_experts
-    from kt_ft.moe.loading import load_planned, planned_device_map
-    from kt_ft.rules import load_rules, resolve_rule_path
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.runtime.dispatch import use_kt_ft_experts
+    from kt_ft.runtime.loading import load_planned, planned_device_map
 
     dequantize_checkpoint(tiny_ckpts / "fp8", tmp_path / "d", "fp32")
     config = AutoConfig.from_pretrained(tiny_ckpts / "fp8")

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kt_ft.hparams import KTArguments
-from kt_ft.models import FAMILIES
-from kt_ft.rules import load_rules, resolve_rule_path
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.recipe import KTArguments
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 KT_KEYS = ("use_kt", "kt_optimize_rule", "cpu_infer", "chunk_size", "kt_backend")

@@ -1,4 +1,4 @@
-"""GPU-resident experts (``gpu_experts``, kt_ft/moe/resident.py), checked on the CPU: the "GPU"
+"""GPU-resident experts (``gpu_experts``, kt_ft/runtime/resident.py), checked on the CPU: the "GPU"
 device is the CPU, so the split of each layer's pairs between the device part and the CPU op
 runs exactly as on a GPU machine (tests/test_gpu.py's twin below runs it on CUDA).
 
@@ -18,13 +18,16 @@ from moe_inputs import GPT_OSS_SPEC, make_problem
 from test_parity import ATTN, expert_lora
 from tiny_models import tiny_model
 
-from kt_ft.kernels import BACKENDS, ExpertWeights, LoraTensors
-from kt_ft.kernels.reference import ReferenceBackend
-from kt_ft.models import FAMILIES
-from kt_ft.moe.experts import KTExperts
-from kt_ft.moe.patch import replace_routed_experts
-from kt_ft.placement.homes import pick_resident_ids
-from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+from kt_ft.backends.base import ExpertWeights, LoraTensors
+from kt_ft.backends.reference import ReferenceBackend
+from kt_ft.backends.registry import BACKENDS
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.homes import pick_resident_ids
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.runtime.experts import KTExperts
+from kt_ft.runtime.patch import replace_routed_experts
 
 RANK, ALPHA = 4, 8
 # 3 of the 8 experts resident on every layer, explicit ids [1, 6] on layer 1
@@ -198,7 +201,7 @@ def test_lora_on_the_device_trains_like_all_cpu(gpu_rule, tmp_path, monkeypatch,
     copy, no host mirror); with CPU experts too (``mixed``) the CPU op reads a host mirror
     refreshed once per step (the recompute reuses it). Both train like all-CPU, with
     checkpointing, within test_resident_experts_train_like_all_cpu's bounds."""
-    import kt_ft.moe.patch as patch_mod
+    from kt_ft.runtime import patch as patch_mod
 
     rule = gpu_rule
     if split == "every":
@@ -230,8 +233,8 @@ def test_lora_gradients_return_for_the_cpu_experts_rows_only(gpu_rule, monkeypat
     """``_LoraToHost``'s backward sends the CPU op's LoRA gradient back for the CPU experts' rows
     (the device experts' rows are the device path's: zero from the CPU op), on fresh random
     gradients: equal there (bitwise: a copy), zero elsewhere."""
-    import kt_ft.moe.patch as patch_mod
-    from kt_ft.moe.experts import _LoraToHost
+    from kt_ft.runtime import patch as patch_mod
+    from kt_ft.runtime.experts import _LoraToHost
 
     monkeypatch.setattr(patch_mod, "lora_home", lambda device, all_on_device, **kw: torch.device("cpu"))
     m = kt_layers(build(gpu_rule))[1]
@@ -249,7 +252,7 @@ def test_lora_gradients_return_for_the_cpu_experts_rows_only(gpu_rule, monkeypat
 
 
 def test_lora_home_is_the_gpu_only_for_layers_with_gpu_experts_in_one_process(monkeypatch):
-    from kt_ft.placement.homes import lora_home
+    from kt_ft.plan.homes import lora_home
 
     cuda = torch.device("cuda", 0)
     assert lora_home(cuda, True) == cuda
@@ -278,7 +281,7 @@ def test_resident_pairs_are_not_sent_to_the_cpu(gpu_rule, monkeypatch):
 def test_device_work_is_queued_before_the_cpu_op_blocks(gpu_rule, monkeypatch):
     """Forward: CPU-op input copies started, resident share queued, then the CPU op; backward: the
     resident share's backward (which starts the CPU op's gradient copy) before the CPU op's."""
-    import kt_ft.moe.device_experts as resident_mod
+    from kt_ft.runtime import device_experts as resident_mod
 
     model = build(gpu_rule)
     layer = kt_layers(model)[1]
@@ -308,8 +311,8 @@ def test_routing_weights_get_gradients_from_both_parts(family):
     all-CPU module's (torch backend), also at the resident slots (the router trains through them);
     gpt_oss: transposed, interleaved, biased, clamped experts (resident.py reads the spec). Bound:
     1e-10 relative / 1e-12 absolute (float64, different summation order)."""
-    from kt_ft.kernels.grouped import GroupedTorchBackend
-    from kt_ft.models import expert_spec
+    from kt_ft.backends.grouped import GroupedTorchBackend
+    from kt_ft.plan.family import expert_spec
 
     torch.manual_seed(0)
     hf = tiny_model(family).model.layers[0].mlp.experts.double()
@@ -386,12 +389,8 @@ def test_pick_resident_ids():
 def test_checkpoint_holds_every_expert(cpu_home_rule, tmp_path):
     """The fused expert-LoRA file of a run with resident experts holds all experts of every layer
     and reads back into an all-CPU model unchanged."""
-    from kt_ft.checkpoint.fused import (
-        FUSED_FILE,
-        fused_header,
-        load_fused_expert_lora,
-        save_fused_expert_lora,
-    )
+    from kt_ft.formats.expert_lora import FUSED_FILE, fused_header
+    from kt_ft.runtime.adapter import load_fused_expert_lora, save_fused_expert_lora
 
     model = build(cpu_home_rule)
     train(model, batches(), 2, False)
@@ -459,7 +458,7 @@ def test_resident_experts_on_cuda_train_like_all_cpu(gpu_rule, gc):
     cpu_model = build(resolve_rule_path("qwen3_moe-torch")).to("cuda")
     res_model = build(gpu_rule).to("cuda")
     ref = train(cpu_model, batches(), 4, gc, "cuda")
-    from kt_ft.moe.transfer import STAGING
+    from kt_ft.runtime.transfer import STAGING
 
     hits0 = STAGING.prefetch_hits
     got = train(res_model, batches(), 4, gc, "cuda")
@@ -488,7 +487,7 @@ def test_all_resident_layers_keep_their_lora_on_cuda(tmp_path):
     """Every expert resident: the expert LoRA lives on the GPU (``lora_home``), no row crosses the
     link, the optimizer steps it there; trains like all-CPU within the CUDA bounds above (with
     checkpointing), and the fused checkpoint still reads back into an all-CPU model."""
-    from kt_ft.checkpoint.fused import load_fused_expert_lora, save_fused_expert_lora
+    from kt_ft.runtime.adapter import load_fused_expert_lora, save_fused_expert_lora
 
     torch.backends.cuda.matmul.allow_tf32 = False
     rule = tmp_path / "every.yaml"
@@ -521,7 +520,7 @@ def test_device_share_graphs_are_released_by_their_backward(ids):
     resident the share is on the model's graph itself, which autograd's own rules govern."""
     import weakref
 
-    from kt_ft.kernels.grouped import GroupedTorchBackend
+    from kt_ft.backends.grouped import GroupedTorchBackend
 
     class Holder:
         def __init__(self, t):

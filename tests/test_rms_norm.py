@@ -1,4 +1,4 @@
-"""RMSNorm through torch's rms_norm (kt_ft/models/rms_norm.py) against transformers' own forward.
+"""RMSNorm through torch's rms_norm (kt_ft/backends/rms_norm.py) against transformers' own forward.
 
 Reference: the module's class forward on the same weights; fresh random inputs and weights
 (seed printed). Tolerances: fp32 1e-5 relative to the largest value; bf16 one bf16 rounding step
@@ -15,7 +15,7 @@ from compare import fresh_seed as _seed
 
 transformers = pytest.importorskip("transformers")
 
-from kt_ft.models.rms_norm import install_fused_rms_norm  # noqa: E402
+from kt_ft.backends.rms_norm import install_fused_rms_norm  # noqa: E402
 
 
 def _tiny_qwen3_moe(seed: int = 0):

@@ -1,4 +1,4 @@
-"""The fused rotary embedding (kt_ft/models/rotary.py) against transformers' apply_rotary_pos_emb.
+"""The fused rotary embedding (kt_ft/backends/rotary.py) against transformers' apply_rotary_pos_emb.
 
 Reference: the family's own function (kept as ``_kt_ft_original``) on the same fresh random inputs
 (seed printed), outputs and gradients of q and k. Tolerances: fp32 1e-5 relative to the largest
@@ -15,7 +15,7 @@ from compare import fresh_seed as _seed
 
 transformers = pytest.importorskip("transformers")
 
-from kt_ft.models.rotary import install_fused_rotary, uninstall_fused_rotary  # noqa: E402
+from kt_ft.backends.rotary import install_fused_rotary, uninstall_fused_rotary  # noqa: E402
 
 
 def _tiny(family="qwen3_moe", seed=0):

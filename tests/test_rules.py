@@ -8,9 +8,11 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from kt_ft.errors import KTConfigError
-from kt_ft.models import FAMILIES
-from kt_ft.rules import builtin_rule_names, load_rules, make_plan, resolve_rule_path
+from kt_ft.base.errors import KTConfigError
+from kt_ft.plan.builtin import builtin_rule_names, resolve_rule_path
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
 
 
 def write(tmp_path, text):
@@ -170,7 +172,7 @@ def test_rule_matching_no_module_is_an_error(tmp_path):
 
 
 def test_devices_this_machine_lacks(tmp_path, monkeypatch):
-    from kt_ft.rules import plan as plan_mod
+    from kt_ft.plan import placement as plan_mod
 
     p = rule_file(
         tmp_path,
@@ -201,7 +203,7 @@ def test_devices_this_machine_lacks(tmp_path, monkeypatch):
 
 
 def test_cuda_falls_back_to_cpu_without_cuda(tmp_path, monkeypatch):
-    from kt_ft.rules import plan as plan_mod
+    from kt_ft.plan import placement as plan_mod
 
     monkeypatch.setattr(plan_mod, "cuda_device_count", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -286,7 +288,7 @@ def test_include_cycle_and_missing_include(tmp_path):
 
 
 def test_gpu_experts_forms():
-    from kt_ft.rules.schema import parse_gpu_experts
+    from kt_ft.plan.schema import parse_gpu_experts
 
     g = parse_gpu_experts(4)
     assert g.for_layer(7).count == 4
@@ -345,10 +347,10 @@ def test_shipped_rule_plans_a_tiny_model_of_its_family(name):
     file matches a (meta) tiny model of its family; rules written for a layer count say it."""
     from transformers import AutoConfig
 
-    from kt_ft.models import family_of
-    from kt_ft.models.derived import GENERIC_RULE
-    from kt_ft.models.tiny import tiny_config
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.formats.skeleton import meta_model
+    from kt_ft.plan.derived import GENERIC_RULE
+    from kt_ft.plan.family import family_of
+    from kt_ft.plan.tiny import tiny_config
 
     path = resolve_rule_path(name)
     text = path.read_text()

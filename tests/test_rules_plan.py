@@ -12,9 +12,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from kt_ft.cli import main
-from kt_ft.kernels.grouped_wide import wide_extra_bytes
-from kt_ft.rules.report import CUDA_GROWTH_BYTES, CUDA_OVERHEAD_BYTES
+from kt_ft.backends.grouped_wide import wide_extra_bytes
+from kt_ft.integrations.cli.main import main
+from kt_ft.plan.report import CUDA_GROWTH_BYTES, CUDA_OVERHEAD_BYTES
 
 # tiny_model("qwen3_moe"): H 64, 4 q heads / 2 kv heads of 16, 2 layers, 8 experts of I 32, top-2, V 97
 H, L, E, I, V, K, R = 64, 2, 8, 32, 97, 2, 8
@@ -167,9 +167,11 @@ def test_lora_count_is_the_same_on_a_peft_wrapped_model():
     from peft import LoraConfig, get_peft_model
     from tiny_models import tiny_model
 
-    from kt_ft.models import FAMILIES
-    from kt_ft.rules import load_rules, make_plan, resolve_rule_path
-    from kt_ft.rules.report import TrainSizes, estimate
+    from kt_ft.plan.builtin import resolve_rule_path
+    from kt_ft.plan.families import FAMILIES
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.plan.placement import make_plan
+    from kt_ft.plan.report import TrainSizes, estimate
 
     fam, rules = FAMILIES["qwen3_moe"], load_rules(resolve_rule_path("qwen3_moe"))
     sizes = TrainSizes(cutoff_len=64, batch=1, lora_rank=8)
@@ -187,11 +189,12 @@ def test_gpu_cap_too_small_stops_before_loading_with_what_would_fit(tmp_path):
     """``kt_gpu_memory`` below what the GPU needs with every auto expert on the CPU: the error (raised
     from the meta skeleton, before any weight is read) names the recipe, the key, the value, what the
     GPU needs and the smallest valid value; a cap at that value passes."""
-    from kt_ft.errors import KTConfigError
-    from kt_ft.models import family_of
-    from kt_ft.rules import load_rules, make_plan
-    from kt_ft.rules.report import TrainSizes, check_gpu_cap, estimate
-    from kt_ft.rules.skeleton import meta_model
+    from kt_ft.base.errors import KTConfigError
+    from kt_ft.formats.skeleton import meta_model
+    from kt_ft.plan.family import family_of
+    from kt_ft.plan.loader import load_rules
+    from kt_ft.plan.placement import make_plan
+    from kt_ft.plan.report import TrainSizes, check_gpu_cap, estimate
 
     model = meta_model(tiny_model().config, torch.bfloat16)
     rule = tmp_path / "auto.yaml"

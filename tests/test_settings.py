@@ -1,4 +1,4 @@
-"""The registry of environment switches (kt_ft/settings.py): every KT_FT_* name the code reads is
+"""The registry of environment switches (kt_ft/base/settings.py): every KT_FT_* name the code reads is
 registered, values parse as documented, and the ones set to other than their default are logged."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kt_ft import settings
+from kt_ft.base import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def test_every_switch_the_code_names_is_registered():
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if "os.environ" in line and "KT_FT_" in line and p.name != "settings.py"
     ]
-    assert not reads, f"read through kt_ft.settings instead: {reads}"
+    assert not reads, f"read through kt_ft.base.settings instead: {reads}"
 
 
 def test_values_defaults_and_the_log(monkeypatch, caplog):
@@ -54,10 +54,10 @@ def test_values_defaults_and_the_log(monkeypatch, caplog):
 
 def test_the_docs_table_is_the_registry():
     """docs/how-it-works.md carries ``kt-ft settings``'s table as it is: a switch added, renamed or
-    re-documented in kt_ft/settings.py without the docs fails here."""
+    re-documented in kt_ft/base/settings.py without the docs fails here."""
     from pathlib import Path
 
-    from kt_ft.settings import markdown_table
+    from kt_ft.base.settings import markdown_table
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "how-it-works.md").read_text()
     assert markdown_table() in docs

@@ -1,4 +1,4 @@
-"""Streamed experts (``stream``, kt_ft/moe/streamed.py), checked on the CPU: the "GPU" device is the
+"""Streamed experts (``stream``, kt_ft/runtime/streamed.py), checked on the CPU: the "GPU" device is the
 CPU, so the three-way split of each layer's pairs (resident / streamed / CPU op), the two shared
 device buffers, the schedule (prefetch, reuse, re-copy at backward) and the counters run as on a
 GPU machine, with plain synchronous copies (the CUDA twins below run on the GPU machine).
@@ -24,14 +24,16 @@ from test_parity import expert_lora
 from test_resident import _first_grads, _train_keep, adamw, batches, build, kt_layers, train
 from tiny_models import tiny_model
 
-from kt_ft.errors import KTConfigError
-from kt_ft.hparams import default_cpu_infer
-from kt_ft.kernels.grouped_wide import wide_extra_bytes
-from kt_ft.models import FAMILIES
-from kt_ft.moe.experts import KTExperts
-from kt_ft.moe.streamed import StreamScheduler, is_page_locked
-from kt_ft.placement.homes import pick_stream_ids
-from kt_ft.rules import load_rules, make_plan, resolve_rule_path
+from kt_ft.backends.grouped_wide import wide_extra_bytes
+from kt_ft.base.errors import KTConfigError
+from kt_ft.plan.builtin import resolve_rule_path
+from kt_ft.plan.families import FAMILIES
+from kt_ft.plan.homes import pick_stream_ids
+from kt_ft.plan.loader import load_rules
+from kt_ft.plan.placement import make_plan
+from kt_ft.plan.recipe import default_cpu_infer
+from kt_ft.runtime.experts import KTExperts
+from kt_ft.runtime.streamed import StreamScheduler, is_page_locked
 
 LAYERS = 4  # MoE layers of the qwen3_moe model here: enough for the buffers to rotate and evict
 # layer 1: 2 resident, 2 streamed by id, 4 on the CPU; the others: 2 resident, 3 streamed, 3 on the CPU
@@ -155,7 +157,7 @@ def test_families_train_like_all_cpu(tmp_path, family, text):
 def test_stream_all_never_calls_the_cpu_op(tmp_path, monkeypatch):
     """``stream: all``: the whole layer on the device; no CPU op call (not even an empty one), in the
     first pass and the recompute of a checkpointed run, forward and backward."""
-    import kt_ft.moe.experts as experts_mod
+    from kt_ft.runtime import experts as experts_mod
 
     ref = train(all_cpu(), batches(), 2, True)
     model = build(rule(tmp_path, STREAM_ALL))
@@ -182,7 +184,7 @@ def test_saved_weights_come_back_after_eviction():
     """One buffer for two layers: the first layer's weights are evicted by the second's forward, so
     its backward copies them again (the saved tensors are references, not the buffer's contents).
     float64, one KTExperts pair sharing a one-buffer scheduler vs the all-CPU pair."""
-    from kt_ft.kernels.grouped import GroupedTorchBackend
+    from kt_ft.backends.grouped import GroupedTorchBackend
 
     torch.manual_seed(0)
     hf = [tiny_model().model.layers[i].mlp.experts.double() for i in range(2)]
@@ -296,7 +298,7 @@ def test_stream_schema_errors_name_file_line_key_and_choices(tmp_path):
 
 
 def test_plan_report_counts_the_stream_buffers(tmp_path, capsys):
-    from kt_ft.cli import main
+    from kt_ft.integrations.cli.main import main
 
     d = tmp_path / "m"
     tiny_model(num_hidden_layers=LAYERS).save_pretrained(d)
@@ -338,7 +340,7 @@ def test_resume_under_another_placement(tmp_path):
     """Train 2 steps all-CPU, save the checkpoint's expert LoRA (fused files) with the rest of the
     state, resume with experts resident, streamed and on the CPU in each layer: the same losses and
     expert LoRA as 4 uninterrupted all-CPU steps."""
-    from kt_ft.checkpoint.fused import load_fused_expert_lora, save_fused_expert_lora
+    from kt_ft.runtime.adapter import load_fused_expert_lora, save_fused_expert_lora
 
     L = 3
     ref_model = all_cpu(num_hidden_layers=L)
@@ -369,7 +371,7 @@ def test_resume_under_another_placement(tmp_path):
 def test_streamed_equals_resident_on_cuda():
     """The same experts streamed or resident: the same output and gradients on the GPU (same weights,
     same kernels: bitwise expected; 1e-6 allowed), and the streamed rows' RAM is page-locked."""
-    from kt_ft.kernels.grouped import GroupedTorchBackend
+    from kt_ft.backends.grouped import GroupedTorchBackend
 
     torch.backends.cuda.matmul.allow_tf32 = False
     hf = tiny_model().model.layers[0].mlp.experts
@@ -454,9 +456,9 @@ def test_split_changed_between_steps_trains_like_all_cpu(tmp_path):
 
 
 def test_run_summary_reports_the_schedulers_counters(tmp_path):
-    """The end-of-training log line (``kt_ft/run_stats.py``) states the stream scheduler's counters
+    """The end-of-training log line (``kt_ft/runtime/run_stats.py``) states the stream scheduler's counters
     as they are after a step, and says when nothing streams."""
-    from kt_ft.run_stats import run_summary, stream_stats
+    from kt_ft.runtime.run_stats import run_summary, stream_stats
 
     model = build(rule(tmp_path, MIXED), num_hidden_layers=LAYERS)
     ids = batches()[0]

@@ -30,7 +30,7 @@ pytest.importorskip("gradio")
 
 from lf_runs import REPO  # noqa: E402
 
-from kt_ft.errors import KTConfigError  # noqa: E402
+from kt_ft.base.errors import KTConfigError  # noqa: E402
 
 EXTRA_ARGS = {  # the board's "Extra arguments" box: a short run on 2 cores
     "optim": "adamw_torch",
@@ -165,8 +165,8 @@ def test_bad_values_give_kt_ft_messages_naming_the_file_it_writes(train_tab, dem
 
 def test_the_board_check_is_the_command_line_check():
     """The board's message is the one a recipe with the same keys gets from the parser."""
-    from kt_ft.hparams import KTArguments
-    from kt_ft.llamafactory.webui import check_train_args
+    from kt_ft.integrations.llamafactory.webui import check_train_args
+    from kt_ft.plan.recipe import KTArguments
 
     args = {"use_kt": True, "kt_optimize_rule": "nope", "output_dir": "out", "finetuning_type": "lora"}
     with pytest.raises(KTConfigError) as board:
@@ -179,8 +179,8 @@ def test_the_board_check_is_the_command_line_check():
 
 
 def test_plan_preview_is_rules_plans_report(demo_assets):
-    from kt_ft.llamafactory.webui import plan_markdown
-    from kt_ft.planning import PlanRequest, format_plan, plan_report
+    from kt_ft.integrations.llamafactory.webui import plan_markdown
+    from kt_ft.runtime.rules_plan import PlanRequest, format_plan, plan_report
 
     model = str(demo_assets / "model")
     text = plan_markdown(model, None, "auto", 2.0, None, 64, 2, 8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from kt_ft.models import FAMILIES
+from kt_ft.plan.families import FAMILIES
 
 
 def tiny_model(family: str = "qwen3_moe", seed: int = 0, vocab: int = 97, **overrides):

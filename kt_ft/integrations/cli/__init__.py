@@ -1,0 +1,1 @@
+"""The ``kt-ft`` command and the model-type survey it runs (``kt-ft models``)."""
