@@ -84,8 +84,12 @@ def test_fast_backend_matches_reference(backend, dtype, case, rng):
 
 def test_torch_backend_lora_groups(monkeypatch, rng):
     """The rank-sized LoRA products as one bmm per group of experts with equal padded rows
-    (``kernels/grouped.py``) give what one product per expert gives (``KT_FT_LORA_BMM=0``), fp32
-    within 1e-6 of the largest entry; the skewed case really has several groups."""
+    (``backends/grouped.py``) give what one product per expert gives (the same backend on the
+    layout in id order, one expert a group: ``_route_layout(by_count=False)``), fp32 within 1e-6
+    of the largest entry; the skewed case really has several groups."""
+    import functools
+
+    from kt_ft.backends import grouped
     from kt_ft.backends.grouped_layout import _route_layout
 
     c = CASES["skewed"]
@@ -96,8 +100,9 @@ def test_torch_backend_lora_groups(monkeypatch, rng):
     # by padded count, then id: expert 3 (16 rows), experts 1 and 2 (32 each), expert 0 (48)
     assert [(g.idx.tolist(), g.c) for g in layout.groups] == [([3], 16), ([1, 2], 32), ([0], 48)]
     got = run_backend("torch", base, lora, x, ids, w, gy, 2.0)
-    monkeypatch.setenv("KT_FT_LORA_BMM", "0")
-    assert all(g.n == 1 for g in _route_layout(ids, w, c["E"])[3].groups)
+    per_expert = functools.partial(_route_layout, by_count=False)
+    assert all(g.n == 1 for g in per_expert(ids, w, c["E"])[3].groups)
+    monkeypatch.setattr(grouped, "_route_layout", per_expert)
     ref = run_backend("torch", base, lora, x, ids, w, gy, 2.0)
     assert_close(ref, got, 1e-6)
 

@@ -15,7 +15,7 @@ Layout choices (measured on a 16-core Sapphire-Rapids-class Xeon, see docs/bench
   ``bmm`` per group of experts with the same padded row count: the rows are laid out with the
   experts ordered by that count, so a group's rows are one [n, c, ...] view. Per expert they
   were 12 x 128 oneDNN calls of 40-90 us each on the Xeon, ~27% of the op at 2048 tokens
-  (``scripts/profile_op.py``) for ~1.5% of its FLOPs. ``KT_FT_LORA_BMM=0``: one expert a group;
+  (``scripts/profile_op.py``) for ~1.5% of its FLOPs;
 * elementwise work runs once over all pairs in the compute dtype (``silu_backward`` for the
   gate derivative), as autograd would;
 * the sum over the k experts of a token is a gather back to token order and one batched

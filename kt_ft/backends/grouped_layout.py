@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kt_ft.base.settings import enabled
-
 ROW_PAD = 16  # AMX tile height; also bounds the number of distinct GEMM shapes
 
 
@@ -104,10 +102,6 @@ def _route(ids: torch.Tensor, weights: torch.Tensor, num_experts: int):
     return tok, inv, ws, layout.counts
 
 
-def _lora_batched() -> bool:
-    return enabled("KT_FT_LORA_BMM")
-
-
 def _route_layout(
     ids: torch.Tensor, weights: torch.Tensor, num_experts: int, by_count: bool = True, row_pad: int = ROW_PAD
 ):
@@ -119,7 +113,7 @@ def _route_layout(
     they add nothing to the output and get zero input, routing-weight and LoRA gradients.
 
     ``by_count``: the experts' rows ordered by padded row count (then id), so experts with equal
-    counts are adjacent (``_Layout.groups``); else by id.
+    counts are adjacent and share a group (``_Layout.groups``); else by id, one expert a group.
 
     Returns (tok [N] token per row, inv [T*k] row of each flat pair, ws [N, 1] routing
     weight per row with 0 on padding rows, the ``_Layout``); N = the layout's rows, plus 1 (the
@@ -153,7 +147,7 @@ def _route_layout(
     ws[row, 0] = weights.reshape(-1)[order]
     inv = torch.full((n,), n_rows - 1, dtype=torch.long)  # masked pairs: the null row
     inv[order] = row
-    layout = _layout(padded.tolist(), e_order.tolist(), by_count and _lora_batched())
+    layout = _layout(padded.tolist(), e_order.tolist(), by_count)
     layout.used = counts.tolist()
     return tok, inv, ws, layout
 

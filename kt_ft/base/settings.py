@@ -130,12 +130,6 @@ _ALL = (
         "numerics",
     ),
     Setting(
-        "KT_FT_LORA_BMM",
-        "1",
-        "0: the torch CPU backend computes the expert LoRA one expert at a time",
-        "numerics",
-    ),
-    Setting(
         "KT_FT_SPREAD_RESIDENT",
         "1",
         "0: placement: auto keeps resident layers first, not spread in depth",
