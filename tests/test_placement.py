@@ -303,12 +303,16 @@ def test_expert_lora_stays_on_the_cpu_when_that_is_faster():
 def test_resident_layers_are_spread_through_the_depth(monkeypatch):
     """When the split streams, interchangeable layers (same shape and popularity) exchange their
     counts so the resident ones are evenly spaced (``planner._spread``): the same prediction and
-    GPU memory as the first-layers order (``KT_FT_SPREAD_RESIDENT=0``), resident layers 1, 4, 7,
-    10 of 12 for 4 whole layers' worth, the partly resident layer amid the free positions."""
+    GPU memory as the first-layers order (the planner's split with ``_spread`` left out), resident
+    layers 1, 4, 7, 10 of 12 for 4 whole layers' worth, the partly resident layer amid the free
+    positions."""
+    from kt_ft.plan import splits as splits_mod
 
     def plan(extra, spread, ins=None):
-        monkeypatch.setenv("KT_FT_SPREAD_RESIDENT", "1" if spread else "0")
-        return choose_splits(ins or layers(12), FAST, rank=0, tokens=T, budget_bytes=ACT + extra * B)
+        with monkeypatch.context() as m:
+            if not spread:  # the first-layers order: the split as the search gave it
+                m.setattr(splits_mod, "_spread", lambda splits, keys, ranked: splits)
+            return choose_splits(ins or layers(12), FAST, rank=0, tokens=T, budget_bytes=ACT + extra * B)
 
     full, part, streamed = (
         LayerSplit((0, 1, 2, 3), ()),
@@ -331,7 +335,6 @@ def test_resident_layers_are_spread_through_the_depth(monkeypatch):
     a, b = plan(24, True, ins), plan(24, False, ins)
     assert a.splits[0] == b.splits[0] and a.prediction.step_s == pytest.approx(b.prediction.step_s)
     # no streaming (resident + CPU): nothing to overlap, the first-layers order stays
-    monkeypatch.setenv("KT_FT_SPREAD_RESIDENT", "1")
     c = choose_splits(layers(8), FAST, rank=0, tokens=T, budget_bytes=ACT + 8 * B, allow_stream=False)
     assert [s.resident for s in c.splits] == [(0, 1, 2, 3)] * 2 + [()] * 6
 

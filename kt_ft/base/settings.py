@@ -130,12 +130,6 @@ _ALL = (
         "numerics",
     ),
     Setting(
-        "KT_FT_SPREAD_RESIDENT",
-        "1",
-        "0: placement: auto keeps resident layers first, not spread in depth",
-        "placement",
-    ),
-    Setting(
         "KT_FT_NATIVE_ISA",
         "auto",
         "native CPU GEMMs' path: scalar (plain C++), avx2 (AVX2+FMA), avx512 (AVX-512F fp32), avx512bf16 "

@@ -22,7 +22,7 @@ the depth (``_spread``) instead of filling the first layers: the same predicted 
 but in the backward a resident layer's GPU work then runs while the next streamed layer's
 weights cross the link, where with the resident layers first the streamed ones wait for the link
 back to back (the forward, ~1/4 of the GPU work under checkpointing, waits for the link either
-way). ``KT_FT_SPREAD_RESIDENT=0`` keeps the first-layers order (for comparison).
+way).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kt_ft.base.settings import enabled
 from kt_ft.plan.cost import (
     STREAM_BUFFERS,
     LayerShape,
@@ -325,7 +324,7 @@ def choose_splits(
     if not allow_stream:
         notes.append("streamed experts are not available in this version: resident or CPU only")
     splits = best[2]
-    if any(s.streamed for s in splits) and enabled("KT_FT_SPREAD_RESIDENT"):
+    if any(s.streamed for s in splits):
         fixed = lora_fixed if lora_fixed is not None else [None] * len(inputs)
         splits = _spread(splits, list(zip(keys, fixed)), ranked)
     return done(splits, lora_on_gpu)
