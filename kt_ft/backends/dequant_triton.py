@@ -8,8 +8,8 @@ the experts kept quantized are dequantized in every pass of every layer (``group
 so those bytes are a step cost.
 
 One program per 128 x 128 block of one expert (one scale), rows of ``q`` and ``out`` contiguous;
-partial blocks masked. ``available()`` says whether it can run (Triton importable, a CUDA device;
-``KT_FT_TRITON_DEQUANT=0`` turns it off).
+partial blocks masked. ``available()`` says whether it can run (Triton importable, a CUDA device);
+where it cannot, ``Fp8Block`` runs its twin.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from kt_ft.base.settings import enabled
 
 BLOCK = 128
 
@@ -66,12 +64,7 @@ def _kernel():
 
 def available(q: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether ``dequant_fp8_block`` runs codes ``q`` to ``out_dtype`` here."""
-    return (
-        q.device.type == "cuda"
-        and out_dtype in (torch.bfloat16, torch.float32)
-        and enabled("KT_FT_TRITON_DEQUANT")
-        and _kernel() is not None
-    )
+    return q.device.type == "cuda" and out_dtype in (torch.bfloat16, torch.float32) and _kernel() is not None
 
 
 def dequant_fp8_block(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

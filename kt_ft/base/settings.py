@@ -103,12 +103,6 @@ _ALL = (
         "the GPU memory plan counts it",
     ),
     Setting(
-        "KT_FT_TRITON_DEQUANT",
-        "1",
-        "0: GPU experts kept in fp8 are dequantized by two torch kernels instead of one Triton kernel "
-        "(the same bits; kt_ft/backends/dequant_triton.py)",
-    ),
-    Setting(
         "KT_FT_FUSED_LORA",
         "1",
         "0: PEFT's LoRA linears (attention, shared experts, dense MLPs) run PEFT's own forward instead of one "
