@@ -37,18 +37,15 @@ from __future__ import annotations
 import torch
 
 from kt_ft.backends.base import ExpertSpec
-from kt_ft.base.settings import enabled
 
 ALIGN = 8  # elements: 16 bytes of bf16, the row alignment torch._grouped_mm asks of its operands
 
 
 def wide_fits(spec: ExpertSpec, hidden: int, inter: int, rank: int, quantized: bool) -> bool:
-    """Whether resident experts of these sizes are kept in the wide layout: ``KT_FT_WIDE_EXPERTS``
-    on, a row-major spec (gpt-oss's transposed one stays plain), dense weights, and H, I and r
-    multiples of ``ALIGN``."""
+    """Whether resident experts of these sizes are kept in the wide layout: a row-major spec
+    (gpt-oss's transposed one stays plain), dense weights, and H, I and r multiples of ``ALIGN``."""
     return (
-        enabled("KT_FT_WIDE_EXPERTS")
-        and not spec.transposed
+        not spec.transposed
         and not quantized
         and rank > 0
         and all(n % ALIGN == 0 for n in (hidden, inter, rank))

@@ -83,13 +83,6 @@ _ALL = (
         "numerics",
     ),
     Setting(
-        "KT_FT_WIDE_EXPERTS",
-        "1",
-        "0: GPU-resident experts are kept as plain copies instead of with their expert LoRA beside them, "
-        "where the LoRA's B products are folded into the base products (kt_ft/backends/grouped_wide.py)",
-        "numerics",
-    ),
-    Setting(
         "KT_FT_CUDA_GRAPHS",
         "1",
         "0: a layer whose experts are all resident on the GPU launches each kernel of its expert work "

@@ -24,8 +24,7 @@ class ResidentExperts:
 
     ``base``: the layer's full CPU base weights (read once, at the first ``to_device``).
     ``lora_rank``: the layer's expert-LoRA rank; where the layout allows (``grouped_wide.wide_fits``)
-    the weights are kept in the wide layout, with room for the LoRA beside them
-    (``KT_FT_WIDE_EXPERTS=0``: plain copies).
+    the weights are kept in the wide layout, with room for the LoRA beside them (else plain copies).
     """
 
     def __init__(self, base: ExpertWeights, ids: Sequence[int], lora_rank: int = 0) -> None:
