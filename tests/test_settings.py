@@ -32,13 +32,13 @@ def test_every_switch_the_code_names_is_registered():
 def test_values_defaults_and_the_log(monkeypatch, caplog):
     for name in settings.SETTINGS:
         monkeypatch.delenv(name, raising=False)
-    assert settings.enabled("KT_FT_GROUPED_DEVICE") and not settings.enabled("KT_FT_DISABLE")
+    assert settings.enabled("KT_FT_CUDA_GRAPHS") and not settings.enabled("KT_FT_DISABLE")
     assert settings.get("KT_FT_PROFILE") is None and settings.get("KT_FT_PROFILE_STEP") == "3"
     for off in ("0", "false", "No", " off "):
-        monkeypatch.setenv("KT_FT_GROUPED_DEVICE", off)
-        assert not settings.enabled("KT_FT_GROUPED_DEVICE"), off
-    monkeypatch.setenv("KT_FT_SPREAD_RESIDENT", "1")  # the default: not a change
-    assert settings.changed() == {"KT_FT_GROUPED_DEVICE": " off "}
+        monkeypatch.setenv("KT_FT_CUDA_GRAPHS", off)
+        assert not settings.enabled("KT_FT_CUDA_GRAPHS"), off
+    monkeypatch.setenv("KT_FT_FUSED_NORM", "1")  # the default: not a change
+    assert settings.changed() == {"KT_FT_CUDA_GRAPHS": " off "}
     with pytest.raises(KeyError):
         settings.get("KT_FT_NO_SUCH_SWITCH")
     monkeypatch.setattr(settings, "_logged", False)
@@ -46,9 +46,9 @@ def test_values_defaults_and_the_log(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger=log.name):
         settings.log_changed(log)
         settings.log_changed(log)  # once a process
-    lines = [r.getMessage() for r in caplog.records if "KT_FT_GROUPED_DEVICE" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "KT_FT_CUDA_GRAPHS" in r.getMessage()]
     assert lines == [
-        "setting KT_FT_GROUPED_DEVICE= off  (default 1): " + settings.SETTINGS["KT_FT_GROUPED_DEVICE"].help
+        "setting KT_FT_CUDA_GRAPHS= off  (default 1): " + settings.SETTINGS["KT_FT_CUDA_GRAPHS"].help
     ]
 
 

@@ -9,7 +9,7 @@ row counts, kept on the device: no host sync), differentiated by autograd.
 
 ``grouped_mm`` falls back to a loop of ``mm`` over the groups (the reference twin, also used where
 ``torch._grouped_mm`` refuses the dtype, device or strides: e.g. float64, or float32 on CUDA
-builds whose grouped kernel is bf16-only); ``KT_FT_GROUPED_DEVICE=0`` forces the loop.
+builds whose grouped kernel is bf16-only, or a torch without it).
 
 Shapes: N rows (pairs of the group's experts, sorted by expert), G experts, H hidden, I expert
 intermediate, r LoRA rank. The base layout follows ``ExpertWeights.spec`` (``kernels/base.py``).
@@ -25,7 +25,7 @@ from kt_ft.backends.activation import gated_act, gated_act_backward_into, gated_
 from kt_ft.backends.base import ExpertWeights, LoraTensors, accum_dtype
 from kt_ft.backends.quant_weights import rebuild_quantized
 from kt_ft.base.log import get_logger
-from kt_ft.base.settings import enabled, positive_number
+from kt_ft.base.settings import positive_number
 
 logger = get_logger(__name__)
 
@@ -77,10 +77,6 @@ def sort_by_id(flat: torch.Tensor, n: int) -> torch.Tensor:
     return torch.argsort(flat.to(dt), stable=True)
 
 
-def _grouped_enabled() -> bool:
-    return enabled("KT_FT_GROUPED_DEVICE")
-
-
 def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Reference twin of ``grouped_mm``: one ``mm`` per expert with rows. a [N, K], b [G, K, M] ->
     [N, M] (a's dtype); differentiable."""
@@ -98,7 +94,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor
     """rows of expert e of ``a`` [N, K] times ``b[e]`` [K, M] -> [N, M], for b [G, K, M] (any strides,
     e.g. a transposed view of [G, M, K] weights); differentiable w.r.t. a and b.
 
-    ``torch._grouped_mm`` where it runs, else (and with ``KT_FT_GROUPED_DEVICE=0``) the loop."""
+    ``torch._grouped_mm`` where it runs, else the loop."""
     # per product signature: a refusal for one (e.g. a LoRA rank whose rows are not 16-byte
     # aligned) leaves the others grouped
     key = (a.device.type, a.dtype, a.shape[1], tuple(b.shape[1:]), b.stride())
@@ -107,10 +103,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor
 
 
 def _try_grouped(key: tuple, a: torch.Tensor, b: torch.Tensor, groups: Groups, what) -> torch.Tensor | None:
-    """``torch._grouped_mm(a, b, offs)`` unless it is off, missing, or refused this signature
+    """``torch._grouped_mm(a, b, offs)`` unless it is missing or refused this signature
     ``key`` before (a refusal is logged once, ``what()`` naming the product: made only then, as
     the step is bound by host time and this runs ~20 times a layer and pass); None: loop instead."""
-    if not (_grouped_enabled() and key not in _refused and hasattr(torch, "_grouped_mm")):
+    if key in _refused or not hasattr(torch, "_grouped_mm"):
         return None
     try:
         return torch._grouped_mm(a, b, offs=groups.offs)

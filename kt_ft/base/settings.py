@@ -77,12 +77,6 @@ _ALL = (
         "each one on the layer's shape (bf16 experts; kt_ft/runtime/backend_pick.py)",
     ),
     Setting(
-        "KT_FT_GROUPED_DEVICE",
-        "1",
-        "0: GPU experts loop over experts instead of torch._grouped_mm",
-        "numerics",
-    ),
-    Setting(
         "KT_FT_CUDA_GRAPHS",
         "1",
         "0: a layer whose experts are all resident on the GPU launches each kernel of its expert work "

@@ -88,8 +88,6 @@ def _device_refusal(dtype: torch.dtype, device: torch.device | None = None) -> s
             f"{dtype} experts on sm{''.join(map(str, cap))}: "
             "torch._grouped_mm runs without a host sync for bfloat16 on sm90 and newer only"
         )
-    if not enabled("KT_FT_GROUPED_DEVICE"):
-        return "KT_FT_GROUPED_DEVICE=0: the grouped products loop over experts"
     return None
 
 
