@@ -65,7 +65,7 @@ def test_auto_timed_for_real_picks_the_backend_with_the_best_figure(cache):
     assert backend.name == max(got, key=got.get), (why, got)
 
 
-@pytest.mark.parametrize("case", ["fp32 experts", "named backend", "no shape", "KT_FT_MEASURE_BACKEND=0"])
+@pytest.mark.parametrize("case", ["fp32 experts", "named backend", "no shape"])
 def test_the_fixed_order_where_nothing_is_measured(cache, monkeypatch, case):
     calls = fake_rates(monkeypatch, {})  # any measurement would raise KeyError
     dtype, name, shape = BF16, "auto", SHAPE
@@ -73,10 +73,8 @@ def test_the_fixed_order_where_nothing_is_measured(cache, monkeypatch, case):
         dtype = torch.float32
     elif case == "named backend":
         name = "torch"
-    elif case == "no shape":
-        shape = None
     else:
-        monkeypatch.setenv("KT_FT_MEASURE_BACKEND", "0")
+        shape = None
     backend, why = pick_backend(name, dtype, None, None, shape=shape, threads=1, tokens=64)
     assert calls == [] and not cache.exists()
     assert why == "asked for by name" if name != "auto" else "is the fastest backend that runs here" in why, (

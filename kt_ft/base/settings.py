@@ -71,12 +71,6 @@ _ALL = (
         "adaptive default",
     ),
     Setting(
-        "KT_FT_MEASURE_BACKEND",
-        "1",
-        "0: kt_backend auto takes the first CPU backend of a fixed order that runs here instead of timing "
-        "each one on the layer's shape (bf16 experts; kt_ft/runtime/backend_pick.py)",
-    ),
-    Setting(
         "KT_FT_CUDA_GRAPHS",
         "1",
         "0: a layer whose experts are all resident on the GPU launches each kernel of its expert work "

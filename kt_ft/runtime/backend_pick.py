@@ -10,7 +10,6 @@ layer) and takes the fastest. The figures are cached per machine, shape and thre
 slots the placement planner reads, so a later run (or ``placement: auto`` in this one) does not
 time them again. Other dtypes (fp32 test and demo models), quantized experts and other layouts keep
 the fixed order: what the measurement builds is a bf16 layer of the default layout.
-``KT_FT_MEASURE_BACKEND=0`` keeps the fixed order everywhere.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import torch
 from kt_ft.backends.base import DEFAULT_SPEC, ExpertBackend, ExpertSpec
 from kt_ft.backends.registry import BACKENDS, select_backend
 from kt_ft.base.log import get_logger
-from kt_ft.base.settings import enabled
 from kt_ft.plan.cost import LayerShape
 from kt_ft.plan.family import unwrap_peft
 from kt_ft.plan.recipe import physical_cpu_cores
@@ -67,7 +65,6 @@ def pick_backend(
         and dtype == torch.bfloat16
         and (spec is None or spec.is_default)
         and shape is not None
-        and enabled("KT_FT_MEASURE_BACKEND")
     )
     names = runnable(dtype, spec) if measurable else []
     if len(names) < 2:
