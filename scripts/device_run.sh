@@ -92,32 +92,33 @@ if [[ ",$PARTS," == *,gen,* ]]; then
   for f in /tmp/gen-run/gen/*/log.txt; do cp "$f" "$OUT/gen-$(basename "$(dirname "$f")").log"; done
   rm -rf /tmp/gen-run /dev/shm/kt-gen-merged
 fi
+# the probes (kt_ft/integrations/bench/probes/: what the bench does not measure), one PARTS name each
 # issue 7: per-expert GEMM loop vs batched / prepacked formulations of the op's big products
-[[ ",$PARTS," == *,probe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/bmm_probe.py --tokens "${PROBE_TOKENS:-2048,4096}" \
+[[ ",$PARTS," == *,probe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 -m kt_ft.integrations.bench.probes.bmm_probe --tokens "${PROBE_TOKENS:-2048,4096}" \
   --threads "$THREADS" 2>&1 | tee "$OUT/bmm_probe.log"
-# each native GEMM path against torch's bf16 / fp32 matmul at the op's per-expert shapes (scripts/native_gemm_probe.py)
-[[ ",$PARTS," == *,gemm,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/native_gemm_probe.py 5 "$THREADS" 2>&1 \
+# each native GEMM path against torch's bf16 / fp32 matmul at the op's per-expert shapes (probes/native_gemm_probe.py)
+[[ ",$PARTS," == *,gemm,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 -m kt_ft.integrations.bench.probes.native_gemm_probe 5 "$THREADS" 2>&1 \
   | tee "$OUT/native_gemm_probe.log"
-# the native grouped GEMMs at the op's own call against the thread count (scripts/grouped_scaling_probe.py)
-[[ ",$PARTS," == *,scaling,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/grouped_scaling_probe.py \
+# the native grouped GEMMs at the op's own call against the thread count (probes/grouped_scaling_probe.py)
+[[ ",$PARTS," == *,scaling,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 -m kt_ft.integrations.bench.probes.grouped_scaling_probe \
   "${SCALING_THREADS:-1,2,4,8,14,16}" 2>&1 | tee "$OUT/scaling_probe.log"
 # one layer's expert work on the GPU, kt-ft's fused grouped experts against transformers' grouped_mm
-# experts: GPU time and kernels (scripts/expert_gpu_probe.py; GPU_PROBE_PRESETS, GPU_PROBE_TOKENS)
+# experts: GPU time and kernels (probes/expert_gpu_probe.py; GPU_PROBE_PRESETS, GPU_PROBE_TOKENS)
 for preset in ${GPU_PROBE_PRESETS:-qwen3-30b-a3b deepseek-v2-lite}; do
-  [[ ",$PARTS," == *,gpuprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/expert_gpu_probe.py "$preset" \
+  [[ ",$PARTS," == *,gpuprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 -m kt_ft.integrations.bench.probes.expert_gpu_probe "$preset" \
     "${GPU_PROBE_TOKENS:-2048}" 2>&1 | tee "$OUT/gpu_probe-$preset.log"
 done
-# the same layer's host time a pass under reentrant checkpointing (scripts/expert_host_probe.py): what a
+# the same layer's host time a pass under reentrant checkpointing (probes/expert_host_probe.py): what a
 # host-bound step runs at
 for preset in ${HOST_PROBE_PRESETS:-qwen3-30b-a3b deepseek-v2-lite}; do
-  [[ ",$PARTS," == *,hostprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/expert_host_probe.py "$preset" \
+  [[ ",$PARTS," == *,hostprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 -m kt_ft.integrations.bench.probes.expert_host_probe "$preset" \
     "${GPU_PROBE_TOKENS:-2048}" 2>&1 | tee "$OUT/host_probe-$preset.log"
 done
 # the non-expert work's host time a step: PEFT / transformers as shipped against kt-ft's fused LoRA linears
-# and RMSNorm (scripts/nonexpert_host_probe.py)
-[[ ",$PARTS," == *,nxprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/nonexpert_host_probe.py 2>&1 \
+# and RMSNorm (probes/nonexpert_host_probe.py)
+[[ ",$PARTS," == *,nxprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 -m kt_ft.integrations.bench.probes.nonexpert_host_probe 2>&1 \
   | tee "$OUT/nonexpert_probe.log"
-[[ ",$PARTS," == *,qprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 scripts/q_probe.py --threads "$THREADS" 2>&1 \
+[[ ",$PARTS," == *,qprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 -m kt_ft.integrations.bench.probes.q_probe --threads "$THREADS" 2>&1 \
   | tee "$OUT/q_probe.log"
 # shared experts beside the CPU op (kt_ft/runtime/beside.py): the same kt-ft step with the overlap off / on
 for ov in 0 1; do

@@ -114,3 +114,20 @@ def test_bench_placement_tiny_smoke(tmp_path):
         assert "matplotlib is not installed" in proc.stdout
     else:
         assert png.stat().st_size > 0
+
+
+def test_bench_modules_stay_small_and_probes_run_only_as_main():
+    """Each module of `kt-ft bench`, its probes too, does one job in at most 500 lines; a probe runs
+    only as ``python -m kt_ft.integrations.bench.probes.<name>`` (its work in ``main``, behind
+    ``__main__``: importing it runs nothing, which tests/test_layers.py's import of every module
+    relies on)."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "kt_ft" / "integrations" / "bench"
+    sizes = {p.relative_to(bench).as_posix(): len(p.read_text().splitlines()) for p in bench.rglob("*.py")}
+    assert "e2e.py" in sizes and "probes/load_memory.py" in sizes
+    assert {name: n for name, n in sizes.items() if n > 500} == {}
+    for path in (bench / "probes").glob("*.py"):
+        if path.name != "__init__.py":
+            text = path.read_text()
+            assert "\ndef main(" in text and '\nif __name__ == "__main__":\n' in text, path.name

@@ -12,7 +12,8 @@ import sys
 import pytest
 import yaml
 
-from kt_ft.integrations.bench.e2e import last_half_rate, parse_systems, rate_from_log
+from kt_ft.integrations.bench.e2e_logs import last_half_rate, rate_from_log
+from kt_ft.integrations.bench.e2e_systems import parse_systems
 
 
 def test_rate_from_log_uses_lf_elapsed_time_and_skips_a_step():
@@ -67,7 +68,8 @@ def test_the_peer_system_gets_llamafactorys_own_keys_and_needs_its_packages(tmp_
     bench stops before building anything."""
     import yaml
 
-    from kt_ft.integrations.bench.e2e import run_e2e, write_recipe
+    from kt_ft.integrations.bench.e2e import run_e2e
+    from kt_ft.integrations.bench.e2e_systems import write_recipe
 
     (peer,) = parse_systems("kt-peer")
     assert peer.kind == "peer" and not peer.use_kt
@@ -143,7 +145,8 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
 
 def test_loss_agreement_compares_the_kt_ft_systems_step_by_step():
     """Against the first kt-ft system with losses; peft (another adapter) and failed runs left out."""
-    from kt_ft.integrations.bench.e2e import E2ERecord, loss_agreement
+    from kt_ft.integrations.bench.e2e_report import loss_agreement
+    from kt_ft.integrations.bench.e2e_run import E2ERecord
 
     def rec(system, losses):
         return E2ERecord(system=system, preset="tiny", layers=2, rc=0, seconds=1.0, losses=losses)
@@ -187,7 +190,7 @@ def test_e2e_tiny_vision_language_trains_with_pictures(tmp_path, capsys):
     recipe = (work / "runs" / "kt-cpu-torch" / "recipe.yaml").read_text()
     assert "template: qwen3_vl_nothink" in recipe
     # the rule of a GPU-placed system (those need CUDA to run): the family's, from the model's config
-    from kt_ft.integrations.bench.e2e import write_rule
+    from kt_ft.integrations.bench.e2e_systems import write_rule
 
     (system,) = parse_systems("kt-auto@24")
     rule = yaml.safe_load(write_rule(tmp_path, work / "model", system).read_text())
@@ -227,7 +230,7 @@ def test_varied_lengths_span_a_quarter_of_cutoff_to_all_of_it(tmp_path):
     about cutoff_len / 4 to past cutoff_len, and the data is rewritten when the choice changes."""
     from transformers import AutoTokenizer
 
-    from kt_ft.integrations.bench.e2e import DATASET, write_assets
+    from kt_ft.integrations.bench.e2e_assets import DATASET, write_assets
 
     model_dir, data_dir, _ = write_assets(tmp_path, "tiny", None, 256, 24, lengths="varied")
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -249,6 +252,7 @@ def test_rounds_alternate_the_order_and_pair_each_run_with_its_rounds_peft(tmp_p
     (what a run measures is the other tests'): tokens/s grow with the run's position, as a drifting
     host's can, and kt-cpu:torch is 0.9x what peft would get in the same position."""
     from kt_ft.integrations.bench import e2e
+    from kt_ft.integrations.bench.e2e_run import E2ERecord
 
     calls = []
 
@@ -256,12 +260,12 @@ def test_rounds_alternate_the_order_and_pair_each_run_with_its_rounds_peft(tmp_p
         calls.append((system.name, run_dir.name))
         drift = 1000.0 * (1 + len(calls))  # later runs faster
         rate = drift if system.name == "peft" else 0.9 * drift
-        return e2e.E2ERecord(system.name, "tiny", 2, 0, 1.0, tok_s=rate, gpu_peak_bytes=None)
+        return E2ERecord(system.name, "tiny", 2, 0, 1.0, tok_s=rate, gpu_peak_bytes=None)
 
     monkeypatch.setattr(e2e, "write_assets", lambda *a: (tmp_path / "m", tmp_path / "d", 2))
     monkeypatch.setattr(e2e, "write_recipe", lambda run_dir, *a, **k: run_dir / "recipe.yaml")
     monkeypatch.setattr(e2e, "run_system", fake_run)
-    systems = e2e.parse_systems("peft,kt-cpu:torch")
+    systems = parse_systems("peft,kt-cpu:torch")
     recs = e2e.run_e2e(preset="tiny", layers=None, systems=systems, workdir=tmp_path, threads=1, rounds=3)
     assert calls == [
         ("peft", "peft-r1"), ("kt-cpu:torch", "kt-cpu-torch-r1"),
@@ -286,7 +290,7 @@ def test_monitor_reads_memory_and_utilization_from_nvidia_smi_lines():
     utilization over the samples taken while training (a line it cannot read is skipped)."""
     from types import SimpleNamespace
 
-    from kt_ft.integrations.bench.e2e import Monitor
+    from kt_ft.integrations.bench.e2e_monitor import Monitor
 
     mon = Monitor(None)
     mon._smi = SimpleNamespace(stdout=iter(["1000, 5\n"]))
@@ -302,7 +306,7 @@ def test_link_bound_from_a_streaming_runs_log(capsys):
     """The run summary's streamed bytes over the run's steps at the planned link rate: the tokens/s
     no schedule of that split beats (a Qwen3-30B-A3B run at 24 GiB: 434.67 GiB in 5 steps at
     54.7 GB/s, 8,192 tokens a step); none where nothing streamed or no rate was logged."""
-    from kt_ft.integrations.bench.e2e import link_bound
+    from kt_ft.integrations.bench.e2e_logs import link_bound
 
     log = (
         "    link 54.7 GB/s [cached (/root/.cache/kt-ft/rates.json)]\n"
@@ -317,8 +321,9 @@ def test_link_bound_from_a_streaming_runs_log(capsys):
     assert link_bound(log.replace("run summary: streamed", "run summary: GPU allocator"), 5, 8192) is None
     assert link_bound(log.replace("GB/s", "GiB"), 5, 8192) is None
     assert link_bound(log, 0, 8192) is None
-    from kt_ft.integrations.bench import e2e
+    from kt_ft.integrations.bench.e2e_report import print_table
+    from kt_ft.integrations.bench.e2e_run import E2ERecord
 
-    run = e2e.E2ERecord("kt-auto@24", "qwen3-30b-a3b", 24, 0, 70.0, tok_s=4_329.0, link_bound_tok_s=4_800.0)
-    e2e.print_table([run], 2048, 4)
+    run = E2ERecord("kt-auto@24", "qwen3-30b-a3b", 24, 0, 70.0, tok_s=4_329.0, link_bound_tok_s=4_800.0)
+    print_table([run], 2048, 4)
     assert "kt-auto@24                     4,800 tok/s, 90% reached" in capsys.readouterr().out

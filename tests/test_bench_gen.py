@@ -8,7 +8,7 @@ import json
 
 import yaml
 
-from kt_ft.integrations.bench.e2e import parse_systems, write_recipe
+from kt_ft.integrations.bench.e2e_systems import parse_systems, write_recipe
 from kt_ft.integrations.bench.generate import (
     GEN_DATASET,
     _predict_recipe,

@@ -3,7 +3,8 @@
 A random bf16 qwen3_moe checkpoint with 288 MiB of routed experts (4 layers x 64 experts of
 H 512, I 384; per-expert keys as transformers writes them) is loaded the way kt-ft loads it on a
 CPU machine (``kt_ft.runtime.loading.load_planned`` with the plan's device map, everything on the
-CPU) by ``scripts/load_memory.py --probe`` in a fresh process, from a cold page cache.
+CPU) by the probe ``kt_ft/integrations/bench/probes/load_memory.py --probe`` in a fresh process,
+from a cold page cache.
 
 Bound: peak RSS growth (VmHWM after loading, reset after imports and a warm-up load, minus VmRSS
 before) <= 1.25 x expert bytes + non-expert bytes + 48 MiB (allocator, loader bookkeeping and
@@ -14,24 +15,18 @@ expert bytes (the file mapping's pages plus the fused copy) and fails this bound
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
 SLACK = 48 * MiB
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("load_memory", ROOT / "scripts" / "load_memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("load_memory", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("kt_ft.integrations.bench.probes.load_memory")
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")

@@ -2,7 +2,7 @@
 ``do_predict`` with ``predict_with_generate``, kt-ft's experts against the same weights merged.
 
 One run, each step its own ``llamafactory-cli`` process: the e2e bench's random model of a real
-config (``e2e.write_assets``), prompts of ``prompt_len`` tokens cut from its text, an adapter
+config (``e2e_assets.write_assets``), prompts of ``prompt_len`` tokens cut from its text, an adapter
 trained for one step with kt-ft (``system``: every expert on the CPU, or a placement), then
 
 * ``kt-ft``: predict with ``use_kt: true`` and the adapter (generation batched as LLaMA-Factory
@@ -29,14 +29,9 @@ from pathlib import Path
 
 import yaml
 
-from kt_ft.integrations.bench.e2e import (
-    DATASET,
-    lf_env,
-    llamafactory_cli,
-    parse_systems,
-    write_assets,
-    write_recipe,
-)
+from kt_ft.integrations.bench.e2e_assets import DATASET, write_assets
+from kt_ft.integrations.bench.e2e_run import lf_env, llamafactory_cli
+from kt_ft.integrations.bench.e2e_systems import parse_systems, write_recipe
 
 GEN_DATASET = "kt_gen"
 

@@ -2,7 +2,7 @@
 fewer layers), and the record a step or placement run writes.
 
 Shared by the step worker (``step.py``), the placement driver (``placement.py``) and the e2e
-bench (``e2e.py``): here, not in one of them, so that none imports another's driver.
+bench (``e2e_assets.py``): here, not in one of them, so that none imports another's driver.
 """
 
 from __future__ import annotations

@@ -194,7 +194,8 @@ def _bench(args: argparse.Namespace) -> int:
     if (
         "e2e" in parts
     ):  # the product path: `llamafactory-cli train` per system (kt_ft/integrations/bench/e2e.py)
-        from kt_ft.integrations.bench.e2e import DEFAULT_SYSTEMS, parse_systems, run_e2e  # why: LF runs only
+        from kt_ft.integrations.bench.e2e import run_e2e  # why: LF runs only
+        from kt_ft.integrations.bench.e2e_systems import DEFAULT_SYSTEMS, parse_systems  # why: LF runs only
 
         try:
             e2e_systems = parse_systems(args.e2e_systems or DEFAULT_SYSTEMS)

@@ -8,7 +8,8 @@ host's: forward and backward under bf16 autocast, gradient checkpointing per lay
 as LLaMA-Factory runs it), the GPU drained once every ``--iters`` steps. Prints ms a step and a
 layer for each variant, the variants interleaved over ``--rounds``.
 
-    python scripts/nonexpert_host_probe.py [--preset qwen3-30b-a3b] [--layers 4] [--tokens 64] [--iters 50] [--rounds 3]
+    python -m kt_ft.integrations.bench.probes.nonexpert_host_probe [--preset qwen3-30b-a3b] [--layers 4] [--tokens 64]
+        [--iters 50] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ import time
 
 import torch
 
+from kt_ft.backends.lora_linear import install_fused_lora
+from kt_ft.backends.rms_norm import install_fused_rms_norm
+from kt_ft.backends.rotary import install_fused_rotary, uninstall_fused_rotary
+from kt_ft.integrations.bench.models import MODEL_CONFIGS
+
 
 def _model(preset: str, layers: int, device: str):
     """The preset's real config (kt_ft/integrations/bench/models.py) at ``layers`` layers, with 8 experts of 64
     columns and a 1,024-token vocabulary: the non-expert work at its real shapes."""
     import peft
     import transformers
-
-    from kt_ft.integrations.bench.models import MODEL_CONFIGS
 
     model_type, real = MODEL_CONFIGS[preset]
     cfg = {**real, "num_hidden_layers": layers, "vocab_size": 1024, "moe_intermediate_size": 64}
@@ -46,18 +50,14 @@ def _model(preset: str, layers: int, device: str):
     return model
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-30b-a3b", help="qwen3-30b-a3b or deepseek-v2-lite")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
-    from kt_ft.backends.lora_linear import install_fused_lora
-    from kt_ft.backends.rms_norm import install_fused_rms_norm
-    from kt_ft.backends.rotary import install_fused_rotary, uninstall_fused_rotary
-
+    args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base = _model(args.preset, args.layers, device)
     # name -> (model, rotary fused): the rotary function is a module global, installed around each use

@@ -1,6 +1,6 @@
 """Peak RSS while loading a MoE checkpoint the way kt-ft does, per loading method.
 
-    python scripts/load_memory.py [--dir /tmp/kt-load-model] [--layers 6] [--hidden 1024]
+    python -m kt_ft.integrations.bench.probes.load_memory [--dir /tmp/kt-load-model] [--layers 6] [--hidden 1024]
         [--moe-intermediate 768] [--experts 64] [--methods transformers,kt-ft,...]
 
 Builds (once, reused when ``--dir`` holds it) a random bf16 qwen3_moe checkpoint, written by
@@ -65,10 +65,11 @@ def probe(method: str, model_dir: str, warmup_dir: str | None) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kt_ft.plan.builtin import resolve_rule_path
-    from kt_ft.plan.family import family_of
-    from kt_ft.plan.loader import load_rules
-    from kt_ft.runtime import loading
+    # kt-ft only in the measuring child: the parent stays small (ru_maxrss carries over fork and exec)
+    from kt_ft.plan.builtin import resolve_rule_path  # why: the child alone
+    from kt_ft.plan.family import family_of  # why: the child alone
+    from kt_ft.plan.loader import load_rules  # why: the child alone
+    from kt_ft.runtime import loading  # why: the child alone
 
     if warmup_dir:
         AutoModelForCausalLM.from_pretrained(warmup_dir, dtype=torch.bfloat16, device_map={"": "cpu"})
@@ -131,8 +132,8 @@ def build(
 
 
 def run_probe(method: str, model_dir: Path, warmup_dir: Path | None) -> dict:
-    """``probe`` in a fresh subprocess (this file, ``--probe``); kt_ft from this checkout."""
-    root = Path(__file__).resolve().parents[1]
+    """``probe`` in a fresh subprocess (this module, ``--probe``); kt_ft from this checkout."""
+    root = Path(__file__).resolve().parents[4]  # the checkout: kt_ft/integrations/bench/probes/ is 4 below
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, __file__, "--probe", method, str(model_dir)]
     if warmup_dir:
@@ -143,7 +144,7 @@ def run_probe(method: str, model_dir: Path, warmup_dir: Path | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "kt-load-model"))
     ap.add_argument("--layers", type=int, default=6)
@@ -154,7 +155,7 @@ def main() -> None:
     ap.add_argument("--probe", nargs=2, metavar=("METHOD", "DIR"), help=argparse.SUPPRESS)
     ap.add_argument("--warmup", help=argparse.SUPPRESS)
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.probe:
         print(json.dumps(probe(a.probe[0], a.probe[1], a.warmup)))
         return

@@ -10,7 +10,7 @@ the timer stops when the call returns (the forward) or when the autograd engine 
 (the backward, recompute included). Then one system's calls under a CPU-only profiler (no CUPTI:
 the operator times are the host's), by self CPU time. A diagnostic: the e2e bench is the measure.
 
-    PYTHONPATH=. python scripts/expert_host_probe.py [PRESET] [TOKENS] [REPEAT]
+    python -m kt_ft.integrations.bench.probes.expert_host_probe [PRESET] [TOKENS] [REPEAT]
 """
 
 from __future__ import annotations
@@ -28,18 +28,15 @@ from kt_ft.backends.grouped import GroupedTorchBackend
 from kt_ft.integrations.bench.models import MODEL_CONFIGS
 from kt_ft.runtime.experts import KTExperts
 
-PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
-TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
-REPEAT = int(sys.argv[3]) if len(sys.argv) > 3 else 30
 RANK = 8
 
 
-def hf_experts(dev, dt):
+def hf_experts(preset: str, dev, dt):
     """transformers' Qwen3-MoE experts module of the preset's shape (grouped_mm), frozen, and (H, E, k)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    cfg = MODEL_CONFIGS[PRESET][1]
+    cfg = MODEL_CONFIGS[preset][1]
     experts = cfg.get("num_experts", cfg.get("n_routed_experts"))
     hf_cfg = Qwen3MoeConfig(
         hidden_size=cfg["hidden_size"],
@@ -92,17 +89,20 @@ def host_ops(layer, x, ids, w, rows: int = 25) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    preset = argv[0] if len(argv) > 0 else "qwen3-30b-a3b"
+    T = int(argv[1]) if len(argv) > 1 else 2048
+    repeat = int(argv[2]) if len(argv) > 2 else 30
     torch.manual_seed(0)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (the CPU: a dry run)
     dt = torch.bfloat16
-    hf, H, E, k = hf_experts(dev, dt)
-    T = TOKENS
+    hf, H, E, k = hf_experts(preset, dev, dt)
     x = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
     ids = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)])
     w = torch.softmax(torch.randn(T, k, device=dev), -1).to(dt).requires_grad_()
     # kt-ft's module around the same (CPU-held) weights, every expert resident, its LoRA on the GPU
-    hf_cpu, _, _, _ = hf_experts(torch.device("cpu"), dt)
+    hf_cpu, _, _, _ = hf_experts(preset, torch.device("cpu"), dt)
     with torch.no_grad():
         hf_cpu.gate_up_proj.copy_(hf.gate_up_proj)
         hf_cpu.down_proj.copy_(hf.down_proj)
@@ -118,7 +118,7 @@ def main() -> None:
         resident_device=dev,
         lora_device=dev,
     ).train()
-    print(f"{PRESET} experts: {E} x [{H}], top-{k}, {T} tokens; host ms a pass, median (min-max) of {REPEAT}")
+    print(f"{preset} experts: {E} x [{H}], top-{k}, {T} tokens; host ms a pass, median (min-max) of {repeat}")
     systems = (
         ("transformers grouped_mm (HF+PEFT)", hf, "1"),
         ("kt-ft all resident, eager", kt, "0"),
@@ -126,7 +126,7 @@ def main() -> None:
     )
     for name, layer, graphs_on in systems:
         os.environ["KT_FT_CUDA_GRAPHS"] = graphs_on
-        fwd, bwd = timed_passes(layer, x, ids, w, REPEAT)
+        fwd, bwd = timed_passes(layer, x, ids, w, repeat)
         print(
             f"{name:<36} forward {statistics.median(fwd):6.3f} ({min(fwd):.3f}-{max(fwd):.3f})  "
             f"recompute+backward {statistics.median(bwd):6.3f} ({min(bwd):.3f}-{max(bwd):.3f})  "

@@ -13,7 +13,7 @@ h Wd^T, bwd dx dgu W, bwd q gy Wd) it times:
 TFLOP/s count useful rows only (padding is waste). Routing: uniform (the bench's random layer)
 and skewed (Zipf-like popularity, as trained routers have).
 
-python3 scripts/bmm_probe.py [--tokens 2048,4096] [--threads N]
+    python -m kt_ft.integrations.bench.probes.bmm_probe [--tokens 2048,4096] [--threads N]
 """
 
 import argparse
@@ -60,11 +60,11 @@ def runs(order: list[int], counts: list[int], g: int):
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="2048,4096")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     gen = torch.Generator().manual_seed(0)
     w_gu = torch.randn(E, 2 * I, H, dtype=bf)  # HF layout [E, 2I, H]

@@ -1,7 +1,7 @@
 """Draw one placement plot (tokens/s against the GPU memory cap) from several `kt-ft bench --parts
 placement --json` files, e.g. a full run and a later one at other caps:
 
-    python scripts/plot_placement.py run1.json run2.json --out docs/placement.png
+    python -m kt_ft.integrations.bench.probes.plot_placement run1.json run2.json --out docs/placement.png
 
 Records of the same system and cap in a later file replace the earlier ones (a re-measurement).
 """
@@ -29,11 +29,11 @@ def load(paths: list[str]) -> list[StepRecord]:
     return list(by_key.values())
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json", nargs="+", help="placement bench JSON files, oldest first")
     p.add_argument("--out", required=True, help="the PNG to write")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     records = load(args.json)
     if not records:
         raise SystemExit(f"{', '.join(args.json)}: no placement records")

@@ -11,11 +11,11 @@ with ``KT_FT_MEMORY_REPORT`` set: at the end of training every rank writes its
 per run. PSS summed over a machine's processes is their real memory: it should grow by the
 per-process overhead (torch, LLaMA-Factory, non-expert weights), not by one expert copy per rank.
 
-    PYTHONPATH=. .venv/bin/python scripts/ddp_memory.py --procs 1 2 4 --private 2 --work /tmp/ddp_memory
+    .venv/bin/python -m kt_ft.integrations.bench.probes.ddp_memory --procs 1 2 4 --private 2 --work /tmp/ddp_memory
 
 (``--private 2``: also 2 processes with ``KT_FT_SHARE_EXPERTS=0``, each holding its own copy.)
 
-Needs ``torchrun`` on PATH (the venv's bin); runs on the CPU.
+Needs ``torchrun`` on PATH (the venv's bin) and a source checkout (its ``recipes/``); runs on the CPU.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[4]  # the checkout: kt_ft/integrations/bench/probes/ is 4 below
 RECIPE = REPO / "recipes" / "demo_tiny_qwen3moe.yaml"
 BIG_EXPERTS = {"num_experts": 64, "moe_intermediate_size": 1536, "hidden_size": 128}
 MiB = 2**20
@@ -36,7 +36,7 @@ MiB = 2**20
 def build_model(work: Path, overrides: dict) -> Path:
     demo = work / "demo"
     if not (demo / "model" / "config.json").is_file():
-        from kt_ft.integrations.demo.text import make_demo_model
+        from kt_ft.integrations.demo.text import make_demo_model  # why: only when the demo is not built yet
 
         make_demo_model(demo, **overrides)
     return demo

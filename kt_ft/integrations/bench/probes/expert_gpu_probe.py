@@ -7,7 +7,7 @@ Per system: GPU busy time (kernel durations summed, torch.profiler) of the forwa
 backward, and a step's share under LLaMA-Factory's reentrant checkpointing (forward twice, backward
 once); then each system's kernels by GPU time. A diagnostic: the e2e bench is the measurement.
 
-    PYTHONPATH=. python scripts/expert_gpu_probe.py [PRESET] [TOKENS]
+    python -m kt_ft.integrations.bench.probes.expert_gpu_probe [PRESET] [TOKENS]
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from kt_ft.backends.grouped_device import Groups, combine_all, fused_backward, f
 from kt_ft.backends.grouped_wide import WideExperts
 from kt_ft.integrations.bench.models import MODEL_CONFIGS
 
-PRESET = sys.argv[1] if len(sys.argv) > 1 else "qwen3-30b-a3b"
-TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
 RANK = 8
 
 
@@ -52,13 +50,15 @@ def kernels(fn, repeat: int = 3) -> tuple[float, list[tuple[str, int, float]]]:
     return sum(r[2] for r in rows), rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    preset = argv[0] if len(argv) > 0 else "qwen3-30b-a3b"
+    T = int(argv[1]) if len(argv) > 1 else 2048
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    H, inter, E, k = shape(PRESET)
-    T = TOKENS
+    H, inter, E, k = shape(preset)
     print(
-        f"{PRESET}: H {H}, I {inter}, {E} experts top-{k}, {T} tokens, LoRA r {RANK}, {torch.cuda.get_device_name()}"
+        f"{preset}: H {H}, I {inter}, {E} experts top-{k}, {T} tokens, LoRA r {RANK}, {torch.cuda.get_device_name()}"
     )
     x = torch.randn(T, H, device=dev, dtype=dt)
     logits = torch.randn(T, E, device=dev)
