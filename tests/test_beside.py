@@ -2,7 +2,7 @@
 
 The reordering must not change a number: the same modules run on the same data and are summed
 in the same order, so a model with the overlap on trains like one with it off
-(``KT_FT_OVERLAP_SHARED=0``, the block's own order). Tolerance (fp32): losses rel 1e-6 per
+(the block's own order: the model built without ``install_shared_beside``). Tolerance (fp32): losses rel 1e-6 per
 step, every trainable tensor after 3 AdamW steps abs 1e-4. The forward is the same arithmetic;
 the backward sums the two branches' gradients of the block input in another order where HF
 computes the shared expert first (Qwen2-MoE, Qwen3.5-MoE: seen 1e-7 relative in the losses,
@@ -29,6 +29,7 @@ from kt_ft.plan.families import FAMILIES
 from kt_ft.plan.loader import load_rules
 from kt_ft.plan.placement import make_plan
 from kt_ft.runtime import beside as beside_mod
+from kt_ft.runtime import patch as patch_mod
 from kt_ft.runtime.patch import replace_routed_experts
 
 RANK, ALPHA = 4, 8
@@ -39,11 +40,10 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 def build(family: str, overlap: bool, monkeypatch, seed: int = 0, rule=None):
     """Tiny PEFT model (LoRA on attention and on the shared experts / dense MLPs), routed experts
     replaced (``rule``: a rule file, default the family's); the same seed gives the same weights
-    whatever ``overlap``."""
+    whatever ``overlap`` (False: the block's own order, no shared branch started beside the CPU op)."""
     fam = FAMILIES[family]
     if fam.demo_type not in CONFIG_MAPPING:
         pytest.skip(f"{family}: model type {fam.demo_type!r} is not in this transformers")
-    monkeypatch.setenv("KT_FT_OVERLAP_SHARED", "1" if overlap else "0")
     model = get_peft_model(
         tiny_model(family, seed=seed),
         LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN + MLP, lora_dropout=0.0),
@@ -54,7 +54,10 @@ def build(family: str, overlap: bool, monkeypatch, seed: int = 0, rule=None):
             if "lora_B" in n:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     plan = make_plan(model, load_rules(rule or resolve_rule_path(fam.builtin_rule)), fam, "torch", 2)
-    replace_routed_experts(model, plan, RANK, ALPHA / RANK, 4096, seed=seed + 1)
+    with monkeypatch.context() as m:
+        if not overlap:
+            m.setattr(patch_mod, "install_shared_beside", lambda block, experts, where: None)
+        replace_routed_experts(model, plan, RANK, ALPHA / RANK, 4096, seed=seed + 1)
     return model
 
 

@@ -55,7 +55,6 @@ _ALL = (
     Setting(
         "KT_FT_SHARED_DIR", "/dev/shm", "directory of the routed-expert file the ranks of a machine share"
     ),
-    Setting("KT_FT_OVERLAP_SHARED", "1", "0: shared experts are not started beside the CPU expert op"),
     Setting(
         "KT_FT_KT_KERNEL_SHARED_CACHE",
         "0",

@@ -9,7 +9,6 @@ import torch
 from kt_ft.backends.base import DEFAULT_SPEC, ExpertBackend
 from kt_ft.backends.kt_kernel import chain_backward_order
 from kt_ft.base.log import fmt_bytes, get_logger
-from kt_ft.base.settings import enabled
 from kt_ft.plan.family import unwrap_peft
 from kt_ft.plan.homes import lora_home, pick_resident_ids, pick_stream_ids
 from kt_ft.plan.placement import PlacementPlan
@@ -90,8 +89,6 @@ def replace_routed_experts(
     num_experts = 0
     lora_dev_layers: list[int] = []
     peft_wrapped = False
-    # KT_FT_OVERLAP_SHARED=0: the block's own order (shared experts not started beside the CPU op)
-    overlap_shared = enabled("KT_FT_OVERLAP_SHARED")
     overlapped: set[str] = set()
     cpu_backends: list[tuple[int, ExpertBackend]] = []
     for place in plan.experts:
@@ -146,10 +143,9 @@ def replace_routed_experts(
         kt.runner.free_base_when_held = place.placement != "auto" and not ids and not stream_ids
         cpu_backends.append((place.layer, kt.runner.backend))
         setattr(parent, child, kt)
-        if overlap_shared:
-            how = install_shared_beside(parent, kt, parent_name)
-            if how is not None:
-                overlapped.add(how)
+        how = install_shared_beside(parent, kt, parent_name)
+        if how is not None:
+            overlapped.add(how)
         num_experts = kt.num_experts
         if kt.lora_on_device:
             lora_dev_layers.append(place.layer)
@@ -161,7 +157,7 @@ def replace_routed_experts(
         expert_bytes += kt.base_nbytes()
     chain_backward_order([b for _, b in sorted(cpu_backends, key=lambda lb: lb[0])])
     if overlapped:
-        logger.info(f"shared experts: {'; '.join(sorted(overlapped))} (KT_FT_OVERLAP_SHARED=0 turns it off)")
+        logger.info(f"shared experts: {'; '.join(sorted(overlapped))}")
     names = ", ".join(sorted({b.name for b, _ in backends.values()}))
     reasons = "; ".join(sorted({r for _, r in backends.values()}))
     threads = plan.experts[0].threads if plan.experts else None
