@@ -736,10 +736,27 @@ def test_peft_wraps_a_quantized_linear_with_a_float_lora():
     assert q.weight.grad is None
 
 
-def test_fp8_linear_layers_are_kept_quantized_at_load(tiny_ckpts, monkeypatch):
-    """The fp8 checkpoint's attention and MLP projections load as QuantizedLinear (stored bytes),
-    with KT_FT_KEEP_QUANTIZED_LINEAR=0 as nn.Linear holding their dequantization; same loss and
-    gradients either way (the same W each call)."""
+def _dequantize_kept_linears(model) -> None:
+    """Every ``QuantizedLinear`` of ``model`` replaced by a plain ``nn.Linear`` holding its weight
+    dequantized in its compute dtype (what a load that dequantizes writes), trainable as ``_load``
+    leaves the weights."""
+    from kt_ft.runtime.quant_linear import QuantizedLinear
+
+    for name, q in list(model.named_modules()):
+        if not isinstance(q, QuantizedLinear):
+            continue
+        lin = torch.nn.Linear(q.in_features, q.out_features, bias=False, dtype=q.compute_dtype)
+        with torch.no_grad():
+            lin.weight.copy_(q.dequantized())
+        lin.bias = q.bias
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, lin)
+
+
+def test_fp8_linear_layers_are_kept_quantized_at_load(tiny_ckpts):
+    """The fp8 checkpoint's attention and MLP projections load as QuantizedLinear (stored bytes);
+    the same load with each of them replaced by an nn.Linear holding its dequantization gives the
+    same loss and gradients (the same W each call)."""
     from kt_ft.runtime.quant_linear import QuantizedLinear
 
     model, _ = _load(tiny_ckpts / "fp8", "torch")
@@ -747,8 +764,8 @@ def test_fp8_linear_layers_are_kept_quantized_at_load(tiny_ckpts, monkeypatch):
     assert any("self_attn" in n for n in kept) and any("shared_experts" in n for n in kept)
     assert not any(n.endswith(("lm_head", "mlp.gate")) for n in kept)
     loss, got = _loss_and_grads(model)
-    monkeypatch.setenv("KT_FT_KEEP_QUANTIZED_LINEAR", "0")
     plain, _ = _load(tiny_ckpts / "fp8", "torch")
+    _dequantize_kept_linears(plain)
     assert not any(isinstance(m, QuantizedLinear) for m in plain.modules())
     want_loss, want = _loss_and_grads(plain)
     assert loss == want_loss

@@ -44,12 +44,6 @@ _ALL = (
         "numerics",
     ),
     Setting(
-        "KT_FT_KEEP_QUANTIZED_LINEAR",
-        "1",
-        "0: a quantized checkpoint's other quantized linear weights (DeepSeek-V3's FP8 attention and MLPs) are "
-        "dequantized to the training dtype at load instead of kept as stored and dequantized inside each call",
-    ),
-    Setting(
         "KT_FT_SHARE_EXPERTS", "1", "0: several ranks on a machine each load a private copy of the experts"
     ),
     Setting(

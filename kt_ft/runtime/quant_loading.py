@@ -16,8 +16,8 @@ transformers is given the config without its ``quantization_config`` and the rou
    biases beside them into their parameters (``find_plain_expert_tensors``);
 2. puts every other linear layer the files store quantized (attention, dense and shared-expert
    projections of DeepSeek-V3's fp8 files) in a ``QuantizedLinear`` (``linear.py``) holding the
-   stored tensors, dequantized inside each call (``KT_FT_KEEP_QUANTIZED_LINEAR=0``, or a weight
-   that is not an ``nn.Linear``'s: overwritten with its dequantization in the training dtype).
+   stored tensors, dequantized inside each call (a weight that is not an ``nn.Linear``'s: overwritten
+   with its dequantization in the training dtype).
 
 Shapes and dtypes are checked against the format before anything is read; a mismatch names the
 tensor, the file, what it is and what the format wants.
@@ -38,7 +38,6 @@ from kt_ft.backends.quant import ST_DTYPES, QuantFormat, Stored
 from kt_ft.backends.quant_weights import QuantizedExperts
 from kt_ft.base.errors import KTConfigError
 from kt_ft.base.log import fmt_bytes, get_logger
-from kt_ft.base.settings import enabled
 from kt_ft.formats.expert_files import TensorLoc, _prefixes, read_index
 from kt_ft.runtime.expert_reading import _bytes_of, _drop_cache, _point_at, _read_into
 from kt_ft.runtime.quant_linear import QuantizedLinear
@@ -335,12 +334,11 @@ def read_stored(loc: TensorLoc) -> torch.Tensor:
 def dequantize_other_weights(model: nn.Module, model_dir: str | Path, fmt: QuantFormat) -> int:
     """Every parameter ``X.weight`` of ``model`` the files store quantized (``X.<marker>`` present):
     its ``nn.Linear`` replaced by a ``QuantizedLinear`` of the stored tensors (on the weight's
-    device, computing in its dtype) when ``KT_FT_KEEP_QUANTIZED_LINEAR`` is on, else overwritten
-    with its dequantization in the parameter's dtype. Returns the count of either."""
+    device, computing in its dtype); a weight of another module is overwritten with its
+    dequantization in the parameter's dtype. Returns the count of either."""
     index, reason = read_index(model_dir)
     if reason:
         raise KTConfigError(reason)
-    keep = enabled("KT_FT_KEEP_QUANTIZED_LINEAR")
     done = kept = kept_bytes = 0
     for name, p in list(model.named_parameters()):
         if not name.endswith(".weight") or p.device.type == "meta":
@@ -363,7 +361,7 @@ def dequantize_other_weights(model: nn.Module, model_dir: str | Path, fmt: Quant
                 parts[st.name] = read_stored(index[key])
             owner_name = stem.rstrip(".")
             owner = model.get_submodule(owner_name)
-            if keep and type(owner) is nn.Linear:
+            if type(owner) is nn.Linear:
                 q = QuantizedLinear(
                     fmt,
                     {k: v.to(p.device) for k, v in parts.items()},
@@ -388,7 +386,7 @@ def dequantize_other_weights(model: nn.Module, model_dir: str | Path, fmt: Quant
     if kept:
         logger.info(
             f"{kept} linear layers stored {fmt.name} outside the routed experts kept as stored "
-            f"({fmt_bytes(kept_bytes)}), dequantized inside each call (KT_FT_KEEP_QUANTIZED_LINEAR=0: at load)"
+            f"({fmt_bytes(kept_bytes)}), dequantized inside each call"
         )
     return done
 
@@ -396,10 +394,9 @@ def dequantize_other_weights(model: nn.Module, model_dir: str | Path, fmt: Quant
 def stored_linear_weights(model: nn.Module, model_dir: str | Path, fmt: QuantFormat) -> dict[str, int]:
     """Parameter name -> stored bytes of the linear weights outside the routed experts that a load
     keeps quantized (``dequantize_other_weights``): for ``kt-ft rules plan`` from the config and the
-    files' headers (``model`` may be on ``meta``). Empty without safetensors files or with
-    ``KT_FT_KEEP_QUANTIZED_LINEAR=0``."""
+    files' headers (``model`` may be on ``meta``). Empty without safetensors files."""
     index, reason = read_index(model_dir)
-    if reason or not enabled("KT_FT_KEEP_QUANTIZED_LINEAR"):
+    if reason:
         return {}
     out: dict[str, int] = {}
     for name, m in model.named_modules():
