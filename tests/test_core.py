@@ -71,6 +71,8 @@ def test_apply_under_the_hf_trainer_trains_like_the_reference(tmp_path):
     expert LoRA 1e-4 abs (test_parity.py's bounds); the run's callback is called each step."""
     from transformers import Trainer, TrainingArguments
 
+    from kt_ft.integrations.trainer import KTCallback
+
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")
     torch.manual_seed(seed)
@@ -86,7 +88,9 @@ def test_apply_under_the_hf_trainer_trains_like_the_reference(tmp_path):
             steps.append(global_step)
             return super().step(global_step)
 
-    counted = Count(run.model, run.plan, run.summary, run.rule_path, run.auto, run.replanner)
+    model._kt_ft_run = Count(
+        run.model, run.plan, run.summary, run.rule_path, run.auto, run.replanner, run.info
+    )
 
     def fit(m, callbacks, out):
         args = TrainingArguments(
@@ -98,7 +102,7 @@ def test_apply_under_the_hf_trainer_trains_like_the_reference(tmp_path):
         trainer.train()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
-    got = fit(model, [counted.trainer_callback()], "kt")
+    got = fit(model, [KTCallback()], "kt")
     want = fit(ref, [], "ref")
     assert steps == [1, 2, 3, 4]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
@@ -160,7 +164,10 @@ def test_pure_bf16_expert_lora_trains_like_the_fp32_one():
 
 def test_apply_names_a_missing_rule():
     model = tiny_model()
-    with pytest.raises(KTConfigError, match="kt_optimize_rule='no_such_rule': no such file or built-in rule"):
+    with pytest.raises(
+        KTConfigError,
+        match="rule='no_such_rule': no such file and no built-in rule of that name; built-in rules: ",
+    ):
         kt_ft.apply(model, kt_ft.KTConfig(rule="no_such_rule"))
 
 

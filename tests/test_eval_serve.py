@@ -76,7 +76,7 @@ def _fake_workflow(attached: bool):
 def test_workflow_patch_lifts_the_refusal_only_for_kt_ft_models(use_kt, attached):
     from types import SimpleNamespace
 
-    from kt_ft.integrations.llamafactory.patches import patch_sft_workflow_module
+    from kt_ft.integrations.llamafactory.workflow import patch_sft_workflow_module
 
     wf, seen = _fake_workflow(attached)
     patch_sft_workflow_module(wf)
@@ -95,7 +95,7 @@ def test_workflow_patch_lifts_the_refusal_only_for_kt_ft_models(use_kt, attached
 def test_workflow_patch_restores_use_kt_when_run_sft_fails():
     from types import SimpleNamespace
 
-    from kt_ft.integrations.llamafactory.patches import patch_sft_workflow_module
+    from kt_ft.integrations.llamafactory.workflow import patch_sft_workflow_module
 
     wf, _ = _fake_workflow(True)
     patch_sft_workflow_module(wf)

@@ -323,7 +323,7 @@ def test_fsdp1_plugin_is_refused_at_trainer_start():
 
 
 def test_ignored_modules_keep_the_recipes_own():
-    from kt_ft.integrations.llamafactory.fsdp_trainer import _ignored_modules
+    from kt_ft.integrations.trainer.fsdp import _ignored_modules
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     assert _ignored_modules("1", model) == [model[1]]  # accelerate's regex over module names

@@ -1,4 +1,4 @@
-"""The host-time callback (``kt_ft/integrations/llamafactory/host_time.py``): threads' CPU time a step."""
+"""The host-time callback (``kt_ft/integrations/trainer/host_time.py``): threads' CPU time a step."""
 
 import os
 import sys
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kt_ft.integrations.bench.e2e import _HOST
-from kt_ft.integrations.llamafactory.host_time import (
+from kt_ft.integrations.trainer.host_time import (
     HostTime,
     busy_by_thread,
     summary_line,

@@ -1,7 +1,7 @@
 """Start-up hook, run by ``kt_ft_activate.pth`` in every Python process.
 
 It only registers an import hook: when (and if) LLaMA-Factory's argument parser, model
-loader, training entry (tuner), SFT workflow, chat engine or LlamaBoard's Train tab, runner and
+loader, training entry (tuner), SFT and PT workflows, chat engine or LlamaBoard's Train tab, runner and
 labels are imported, kt-ft's patches are applied right after the module body has run.
 Nothing heavy is imported here, so a process that never imports llamafactory pays about
 nothing. Set ``KT_FT_DISABLE=1`` to turn the hook off.
@@ -21,8 +21,9 @@ from kt_ft.base.settings import enabled
 POST_IMPORT_PATCHES = {
     "llamafactory.hparams.parser": "kt_ft.integrations.llamafactory.patches:patch_parser_module",
     "llamafactory.model.loader": "kt_ft.integrations.llamafactory.patches:patch_loader_module",
-    "llamafactory.train.tuner": "kt_ft.integrations.llamafactory.trainer_hooks:patch_tuner_module",
-    "llamafactory.train.sft.workflow": "kt_ft.integrations.llamafactory.patches:patch_sft_workflow_module",
+    "llamafactory.train.tuner": "kt_ft.integrations.llamafactory.workflow:patch_tuner_module",
+    "llamafactory.train.sft.workflow": "kt_ft.integrations.llamafactory.workflow:patch_sft_workflow_module",
+    "llamafactory.train.pt.workflow": "kt_ft.integrations.llamafactory.workflow:patch_pt_workflow_module",
     "llamafactory.chat.hf_engine": "kt_ft.integrations.llamafactory.chat:patch_hf_engine_module",
     # LlamaBoard (llamafactory-cli webui): the kt-ft fields of the Train tab
     "llamafactory.webui.locales": "kt_ft.integrations.llamafactory.webui:patch_locales_module",

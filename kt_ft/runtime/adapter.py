@@ -7,17 +7,19 @@ Order of a save (each file lands by an atomic rename, see ``atomic``):
    kt-ft adds its ``kt_ft`` block to the config; the files are renamed into place;
 3. fused_expert_lora.safetensors (``kt_ft.formats.expert_lora``; the model's side here);
 4. the manifest (for a trainer checkpoint-N, only after the optimizer / scheduler / RNG /
-   trainer state: the trainer callback writes it, see ``kt_ft.integrations.llamafactory.trainer_hooks``).
+   trainer state: the trainer callback writes it, see ``kt_ft.integrations.trainer.callback``).
 
 A checkpoint-N dir that a crash interrupted has no manifest, and every loader refuses it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,12 +27,65 @@ from typing import Any
 import torch
 
 from kt_ft.backends.base import lora_changed
+from kt_ft.base.errors import KTConfigError
+from kt_ft.base.log import get_logger
+from kt_ft.base.version import __version__
 from kt_ft.formats.expert_lora import FILE_DTYPE, fused_key, read_expert_lora_files, save_expert_lora_files
 from kt_ft.formats.lora_layout import LORA_NAMES
-from kt_ft.formats.manifest import MANIFEST_FILE, KTAdapterInfo, verify_adapter_dir, write_manifest
+from kt_ft.formats.manifest import (
+    CHECKPOINT_DIR,
+    MANIFEST_FILE,
+    KTAdapterInfo,
+    base_config_sha256,
+    verify_adapter_dir,
+    write_manifest,
+)
 from kt_ft.runtime.experts import KTExperts
 
 ADAPTER_CONFIG = "adapter_config.json"
+logger = get_logger(__name__)
+
+# kt-ft adds a "kt_ft" block to PEFT's adapter_config.json; PEFT ignores it but warns, wrongly,
+# that the file may come from a newer PEFT. Silence exactly that warning in kt-ft processes.
+warnings.filterwarnings("ignore", message=r"Unexpected keyword arguments \['kt_ft'\]", category=UserWarning)
+
+
+def adapter_info(
+    model: Any,
+    *,
+    base_model: str | None,
+    rank: int,
+    alpha: float,
+    use_rslora: bool,
+    summary: Any,
+    plan: Any,
+    rule_path: Path,
+) -> KTAdapterInfo:
+    """What an adapter of this run is for (the manifest's content): the base model (its
+    config.json's sha256 where ``base_model``, or the model's own ``name_or_path``, is a local dir
+    or a cached hub id; empty for a model built from a config), the expert LoRA's shape, and
+    where its experts are."""
+    base = base_model or getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    try:
+        sha = base_config_sha256(base) if base else ""
+    except (KTConfigError, OSError, ValueError):
+        if base_model:  # asked for by name: a missing config is the caller's mistake
+            raise
+        sha = ""
+    return KTAdapterInfo(
+        base_model=str(base),
+        base_config_sha256=sha,
+        rank=rank,
+        alpha=alpha,
+        use_rslora=use_rslora,
+        layers=summary.layers,
+        num_experts=summary.num_experts,
+        targets=[p.name.removeprefix("base_model.model.") for p in plan.experts],
+        backend=summary.backend,
+        rule=str(rule_path),
+        kt_ft_version=__version__,
+        base_format=summary.base_format,
+    )
 
 
 def kt_expert_modules(model) -> list:
@@ -129,3 +184,62 @@ def load_kt_adapter_experts(
         for p in m.lora_tensors():
             p.requires_grad_(trainable)
     return manifest
+
+
+def hook_save_pretrained(model: Any, info: KTAdapterInfo) -> None:
+    """Make ``model.save_pretrained`` (what the Trainer calls for every checkpoint and the final
+    output) crash-safe and make it write the fused expert LoRA and the manifest too.
+
+    In a trainer's checkpoint-N dir the manifest waits for the optimizer and trainer state
+    (``KTCallback.on_save`` writes it) when that callback runs in this training."""
+    original = model.save_pretrained
+    if getattr(original, "_kt_ft", False):
+        return
+
+    @functools.wraps(original)
+    def save_pretrained(save_directory, *args, **kwargs):
+        if not kwargs.get("is_main_process", True):
+            return original(save_directory, *args, **kwargs)
+        from peft import PeftModel
+
+        if not isinstance(model, PeftModel):
+            # PEFT's part merged (e.g. `llamafactory-cli export`), but a full save would write the
+            # expert LoRA as stray tensors that loaders drop, silently: refuse, point to the tool.
+            raise KTConfigError(
+                f"export to {save_directory} with use_kt: a full save (LLaMA-Factory's export) cannot fold the "
+                "expert LoRA; run `kt-ft merge ADAPTER_DIR OUT` (merged model) or `kt-ft convert ADAPTER_DIR OUT` "
+                "(per-expert LoRA)"
+            )
+        defer = getattr(model, "_kt_ft_defer_checkpoint_manifest", False) and bool(
+            CHECKPOINT_DIR.fullmatch(Path(save_directory).name)
+        )
+        return save_kt_adapter(
+            model, save_directory, info, original, *args, with_manifest=not defer, **kwargs
+        )
+
+    save_pretrained._kt_ft = True
+    model.save_pretrained = save_pretrained
+
+
+def hook_load_adapter(model: Any, info: KTAdapterInfo, experts_trainable: bool = True) -> None:
+    """The HF Trainer resumes a PEFT model with ``model.load_adapter(checkpoint_dir, name,
+    is_trainable=True)`` before it loads the optimizer state: check the checkpoint against its
+    manifest first (fail closed), let PEFT load its part, then load the expert LoRA and keep it
+    trainable (PEFT only manages ``lora_`` params) unless the run froze it (``experts_trainable``
+    False: a vision-language recipe with ``freeze_language_model``)."""
+    original = getattr(model, "load_adapter", None)
+    if original is None or getattr(original, "_kt_ft", False):
+        return
+
+    @functools.wraps(original)
+    def load_adapter(model_id, adapter_name, *args, **kwargs):
+        is_trainable = kwargs.get("is_trainable", args[0] if args else False)
+        verify_adapter_dir(model_id, info)
+        result = original(model_id, adapter_name, *args, **kwargs)
+        trainable = bool(is_trainable) and experts_trainable
+        load_kt_adapter_experts(model, model_id, info, trainable=trainable, verify=False)
+        logger.info(f"resumed expert LoRA from {Path(model_id)} (manifest, sizes and sha256 checked)")
+        return result
+
+    load_adapter._kt_ft = True
+    model.load_adapter = load_adapter

@@ -16,7 +16,7 @@ torch.Tensor and DTensor"). This module does those few whole-model operations ki
 * ``gather_full`` / ``copy_full_into``: whole adapter tensors out of, and into, live shards.
 
 Every function that gathers is a collective: all ranks call it, in the same order.
-No transformers / LLaMA-Factory imports here (``kt_ft.integrations.llamafactory.fsdp_trainer`` wires these
+No transformers / LLaMA-Factory imports here (``kt_ft.integrations.trainer.fsdp`` wires these
 into the HF Trainer).
 """
 

@@ -132,7 +132,7 @@ def run_e2e(
         )  # fmt: skip
         print(f"[{system.name}] llamafactory-cli train {recipe}", flush=True)
         # KT_FT_PROFILE=DIR for the bench: each run profiles one step into DIR/<system> (that step
-        # is left out of its rate; kt_ft/integrations/llamafactory/profile.py)
+        # is left out of its rate; kt_ft/integrations/trainer/profile.py)
         env = {"KT_FT_PROFILE": str(Path(prof_root) / run_dir.name)} if prof_root else {}
         env["KT_FT_HOST_TIME"] = "1"  # every system's host time a step, unprofiled (``host_time.py``)
         env.update(dict(system.settings))

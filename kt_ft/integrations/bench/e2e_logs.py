@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from kt_ft.integrations.llamafactory.host_time import LINE_PREFIX as HOST_LINE
+from kt_ft.integrations.trainer.host_time import LINE_PREFIX as HOST_LINE
 
 
 def read_trainer_log(path: Path) -> list[dict]:

@@ -11,7 +11,7 @@ engine from two places:
   (``ACCELERATE_USE_DEEPSPEED=true``).
 
 kt-ft supports DDP (the default with several processes) and FSDP2: ``fully_shard`` with every
-``KTExperts`` parameter ignored (``kt_ft.integrations.llamafactory.fsdp_trainer``). It refuses, naming the
+``KTExperts`` parameter ignored (``kt_ft.integrations.trainer.fsdp``). It refuses, naming the
 setting: DeepSpeed (its engine owns the parameters, gradients and optimizer of the whole
 model: it would partition or broadcast the CPU experts and cannot leave their LoRA to kt-ft),
 FSDP1 (its FlatParameter wrapping is not supported; FSDP2 is), and FSDP2's

@@ -13,10 +13,7 @@
   before the parameter count is printed. For gpt-oss, ``patch_config`` also steps around
   LLaMA-Factory 0.9.5's FlashAttention-3 hub-kernel setup, which imports a function transformers
   5.6 does not have (see ``gpt_oss_attention``).
-* ``llamafactory.train.sft.workflow``: ``run_sft`` refuses ``predict_with_generate`` and
-  ``compute_accuracy`` when ``use_kt`` is set (its own ``use_kt`` path cannot generate). Once
-  kt-ft is attached to the loaded model, its experts generate (no grad, KV cache, batches) like
-  any module: the rest of ``run_sft`` sees ``use_kt: false`` (``kt_model_loaded``).
+* the tuner and the training workflows: ``workflow``.
 
 With ``use_kt`` false or absent every patched function calls the original unchanged, with one
 exception that changes no run LLaMA-Factory accepts: a vision tower's patch-embedding Conv3d, which
@@ -232,35 +229,3 @@ def patch_loader_module(loader: ModuleType) -> None:
     loader.patch_config = patch_config
     loader.patch_model = patch_model
     loader._kt_ft_patched = True
-
-
-def patch_sft_workflow_module(workflow: ModuleType) -> None:
-    """``run_sft``: from the moment kt-ft is attached to the loaded model until ``run_sft``
-    returns, ``model_args.use_kt`` reads false, so LLaMA-Factory's refusal of generation and
-    accuracy metrics for its own (forked) ``use_kt`` path does not apply to kt-ft's model. Before
-    that (tokenizer, dataset, ``load_model``) and after, it is unchanged."""
-    if getattr(workflow, "_kt_ft_patched", False):
-        return
-    original_run_sft = workflow.run_sft
-    original_load_model = workflow.load_model
-
-    def load_model(tokenizer, model_args, *args, **kwargs):
-        model = original_load_model(tokenizer, model_args, *args, **kwargs)
-        if getattr(model_args, "use_kt", False) and getattr(model, "_kt_ft_info", None) is not None:
-            model_args.use_kt = False  # kt_model_loaded: restored when run_sft returns
-            model_args._kt_ft_use_kt_hidden = True
-        return model
-
-    def run_sft(model_args, *args, **kwargs):
-        if not getattr(model_args, "use_kt", False):
-            return original_run_sft(model_args, *args, **kwargs)
-        try:
-            return original_run_sft(model_args, *args, **kwargs)
-        finally:
-            if getattr(model_args, "_kt_ft_use_kt_hidden", False):
-                model_args.use_kt = True
-                model_args._kt_ft_use_kt_hidden = False
-
-    workflow.load_model = load_model
-    workflow.run_sft = run_sft
-    workflow._kt_ft_patched = True

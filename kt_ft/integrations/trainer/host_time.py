@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 
 from kt_ft.base.log import get_logger
 from kt_ft.base.settings import enabled, get
-from kt_ft.integrations.llamafactory.profile import PROFILE_ENV, STEP_ENV
+from kt_ft.integrations.trainer.profile import PROFILE_ENV, STEP_ENV
 
 logger = get_logger(__name__)
 LINE_PREFIX = "host time a step"  # the e2e benchmark reads the line (``bench/e2e.py``)
