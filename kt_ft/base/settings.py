@@ -32,11 +32,6 @@ class Setting:
 _ALL = (
     Setting("KT_FT_DISABLE", "0", "1: the start-up hook patches nothing (LLaMA-Factory runs as shipped)"),
     Setting(
-        "KT_FT_STREAM_EXPERTS",
-        "1",
-        "0: transformers loads the routed experts instead of kt-ft reading the files",
-    ),
-    Setting(
         "KT_FT_CHUNKED_LOSS",
         "1",
         "0: the training loss through the model's own forward (logits of every token) instead of lm_head and "

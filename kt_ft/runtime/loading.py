@@ -18,8 +18,7 @@ The routed experts themselves are not read by transformers: its loader would hol
 RSS at the peak (the file mapping's pages and the fused copy, see ``expert_reading``). Where kt-ft
 can read the checkpoint's expert layout (``expert_files``), the device map puts them on ``meta``
 and ``ExpertReader.fill`` reads them into their one CPU copy right after ``from_pretrained``;
-otherwise transformers loads them (the reason is logged). ``KT_FT_STREAM_EXPERTS=0`` turns the
-reading off, to compare.
+otherwise transformers loads them (the reason is logged).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from torch import nn
 from kt_ft.backends.quant_detect import config_source, take_quantization_config
 from kt_ft.base.errors import KTConfigError
 from kt_ft.base.log import get_logger
-from kt_ft.base.settings import enabled
 from kt_ft.formats.expert_files import ParamSource, find_expert_sources
 from kt_ft.formats.skeleton import meta_model
 from kt_ft.plan.placement import PlacementPlan, make_plan
@@ -42,8 +40,6 @@ from kt_ft.runtime.expert_reading import Allocator, fill_routed_experts
 from kt_ft.runtime.shared_weights import meta_device_map
 
 logger = get_logger(__name__)
-
-STREAM_ENV = "KT_FT_STREAM_EXPERTS"  # "0": transformers loads the routed experts (for comparison)
 
 
 class KTDeviceMap(dict):
@@ -119,11 +115,10 @@ def plan_expert_reader(model_dir, config, expert_names: list[str], quant=None):
         )
 
         path = Path(str(model_dir))
-        if not enabled(STREAM_ENV) or not path.is_dir():
-            why = f"{STREAM_ENV}=0" if path.is_dir() else "it is not a local directory"
+        if not path.is_dir():
             raise KTConfigError(
-                f"{model_dir}: {quant.name} routed experts are read by kt-ft itself, and {why}; "
-                f"give a local checkpoint directory (with {STREAM_ENV} unset)"
+                f"{model_dir}: {quant.name} routed experts are read by kt-ft itself, and it is not a local "
+                "directory; give a local checkpoint directory"
             )
         skeleton = meta_model(config, torch.bfloat16)
         sources = find_quantized_sources(path, skeleton, expert_names, quant)
@@ -135,9 +130,6 @@ def plan_expert_reader(model_dir, config, expert_names: list[str], quant=None):
             "kt-ft reads those itself right after it (routed experts kept quantized, the rest dequantized)"
         )
         return QuantizedExpertReader(path, list(expert_names), sources, quant, plain)
-    if not enabled(STREAM_ENV):
-        logger.info(f"{STREAM_ENV}=0: transformers loads the routed experts")
-        return None
     path = Path(str(model_dir))
     if not path.is_dir():
         logger.info(f"{model_dir}: not a local directory; transformers loads the routed experts")
