@@ -1,5 +1,6 @@
 """The registry of environment switches (kt_ft/base/settings.py): every KT_FT_* name the code reads is
-registered, values parse as documented, and the ones set to other than their default are logged."""
+registered, values parse as documented, the ones set to other than their default are logged, and
+docs/settings.md documents exactly the registry."""
 
 from __future__ import annotations
 
@@ -57,12 +58,22 @@ def test_values_defaults_and_the_log(monkeypatch, caplog):
     ]
 
 
-def test_the_docs_table_is_the_registry():
-    """docs/how-it-works.md carries ``kt-ft settings``'s table as it is: a switch added, renamed or
-    re-documented in kt_ft/base/settings.py without the docs fails here."""
-    from pathlib import Path
+def test_docs_settings_is_the_registry():
+    """docs/settings.md carries ``kt-ft settings``'s tables as they are, and names no KT_FT_
+    variable the registry lacks: a setting added, removed, renamed or re-documented in
+    kt_ft/base/settings.py without the doc (or the other way round) fails here."""
+    doc = (ROOT / "docs" / "settings.md").read_text()
+    assert settings.markdown_table() in doc, "docs/settings.md: paste `kt-ft settings`'s output"
+    named = set(re.findall(r"\bKT_FT_[A-Z_]+[A-Z]\b", doc))
+    assert named == set(settings.SETTINGS), (
+        f"in the doc only: {sorted(named - set(settings.SETTINGS))}; "
+        f"in the registry only: {sorted(set(settings.SETTINGS) - named)}"
+    )
 
-    from kt_ft.base.settings import markdown_table
 
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "how-it-works.md").read_text()
-    assert markdown_table() in docs
+def test_every_setting_says_what_it_does():
+    """Each entry has a topic (its heading in the docs) and a help text for users: a sentence, not
+    a bare default."""
+    for s in settings.SETTINGS.values():
+        assert s.topic and len(s.help.split()) >= 5, s.name
+        assert s.changes in settings.CHANGES, s.name

@@ -1,127 +1,180 @@
-"""Every environment switch kt-ft reads, in one registry: its name, default and what it does.
+"""Every environment variable kt-ft reads, in one registry: its name, default and what it does.
 
 Code reads them through ``get`` / ``enabled`` (a name missing here is a programming error, not a
 silent default); ``log_changed`` says once a process which ones are set to something else than
-their default. Most exist to compare a path with its alternative (``0`` turns a mechanism off);
-none is needed to run. Imports nothing heavy: the start-up hook reads ``KT_FT_DISABLE``.
+their default. None is needed to train: they turn kt-ft off, say where its files go, trade memory
+for time, rule out a fused operator, or ask for diagnostics. ``markdown_table`` is their
+documentation (``kt-ft settings``, docs/settings.md). Imports nothing heavy: the start-up hook
+reads ``KT_FT_DISABLE``.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # what a non-default value changes: "nothing" (the same numbers, another mechanism or a file),
-# "numerics" (another kernel or summation order: results within the tests' tolerances),
-# "placement" (which experts run where, hence the arithmetic's order)
-CHANGES = ("nothing", "numerics", "placement")
+# "numerics" (another kernel or summation order: results within the tests' tolerances)
+CHANGES = ("nothing", "numerics")
 
 
 @dataclass(frozen=True)
 class Setting:
     name: str
     default: str | None  # None: unset (the feature it names is off)
-    help: str
+    help: str  # what a value does and when a user would set it
     changes: str = "nothing"  # one of CHANGES
+    topic: str = ""  # its heading in the docs (``_BY_TOPIC``)
 
     def __post_init__(self) -> None:
         if self.changes not in CHANGES:
             raise ValueError(f"setting {self.name}: changes={self.changes!r}; valid: {', '.join(CHANGES)}")
 
 
-_ALL = (
-    Setting("KT_FT_DISABLE", "0", "1: the start-up hook patches nothing (LLaMA-Factory runs as shipped)"),
-    Setting(
-        "KT_FT_CHUNKED_LOSS",
-        "1",
-        "0: the training loss through the model's own forward (logits of every token) instead of lm_head and "
-        "the cross entropy a chunk of tokens at a time (kt_ft/backends/lm_loss.py)",
-        "numerics",
+_BY_TOPIC: dict[str, tuple[Setting, ...]] = {
+    "kt-ft on or off": (
+        Setting(
+            "KT_FT_DISABLE",
+            "0",
+            "1: kt-ft's start-up hook patches nothing, so LLaMA-Factory runs as shipped (use_kt and "
+            "kt-ft's other recipe keys are then unknown to it): the same installation without kt-ft",
+        ),
     ),
-    Setting(
-        "KT_FT_SHARE_EXPERTS", "1", "0: several ranks on a machine each load a private copy of the experts"
+    "Several ranks on a machine": (
+        Setting(
+            "KT_FT_SHARE_EXPERTS",
+            "1",
+            "0: each rank loads a private copy of the routed experts instead of the ranks of a machine "
+            "sharing one (one more copy of the experts' host memory a rank); needed for quantized "
+            "experts with several ranks on a machine, which are not shared yet",
+        ),
+        Setting(
+            "KT_FT_SHARED_DIR",
+            "/dev/shm",
+            "directory of the routed-expert file the ranks of a machine share: a RAM-backed file "
+            "system or a local disk with room for the experts (Docker's /dev/shm is 64 MB by default)",
+        ),
     ),
-    Setting(
-        "KT_FT_SHARED_DIR", "/dev/shm", "directory of the routed-expert file the ranks of a machine share"
+    "Memory and speed": (
+        Setting(
+            "KT_FT_CUDA_GRAPHS",
+            "1",
+            "0: a layer whose experts are all resident on the GPU launches its expert work kernel by "
+            "kernel instead of replaying CUDA graphs captured per token-count bucket; faster for short "
+            "runs on data of varied lengths without packing (each bucket's capture costs more than its "
+            "few replays save), and needed where a step runs a backward twice (retain_graph)",
+        ),
+        Setting(
+            "KT_FT_DEQUANT_CHUNK_MIB",
+            "1024",
+            "MiB of experts kept quantized (fp8, int8, ...) that GPU experts dequantize at once for one "
+            "grouped product (at least one expert; a whole layer in one chunk needs no host sync); the "
+            "GPU memory plan counts it: lower it to lower a quantized model's GPU peak",
+        ),
+        Setting(
+            "KT_FT_KT_KERNEL_SHARED_CACHE",
+            "0",
+            "1: the kt-kernel backend keeps one pool of saved activations for all layers instead of one "
+            "a layer and runs each layer's CPU forward again before its backward: less host memory "
+            "(~0.16 GiB a DeepSeek-V2-Lite layer at 2,048 tokens) for one more CPU forward a layer",
+        ),
+        Setting(
+            "KT_FT_MMAP_THRESHOLD",
+            "4M",
+            "glibc's mmap threshold for a kt-ft training process (bytes, or with a K or M suffix): "
+            "blocks from that size up are mapped per use instead of kept in the heaps, where freed "
+            "space stays resident; 0 keeps glibc's adaptive default",
+        ),
     ),
-    Setting(
-        "KT_FT_KT_KERNEL_SHARED_CACHE",
-        "0",
-        "1: the kt-kernel backend keeps one pool of saved activations for all layers instead of one a layer "
-        "(less host memory: ~0.16 GiB a DeepSeek-V2-Lite layer at 2,048 tokens) and runs each layer's CPU "
-        "forward again before its backward (kt_ft/backends/kt_kernel.py)",
+    "CPU kernels": (
+        Setting(
+            "KT_FT_NATIVE_ISA",
+            "auto",
+            "the native CPU backend's GEMM path: auto (the best this CPU runs), scalar (plain C++), "
+            "avx2 (AVX2+FMA), avx512 (AVX-512F fp32), avx512bf16 (vdpbf16ps), amx (AMX-BF16); the last "
+            "two round activations to bf16; one the CPU lacks is refused",
+            "numerics",
+        ),
+        Setting(
+            "KT_FT_NATIVE_BUILD",
+            "1",
+            "0: never compile the native CPU kernels at run time, only use a library built at install "
+            "(machines without a compiler, or where a run must not compile)",
+        ),
+        Setting(
+            "KT_FT_CACHE_DIR",
+            None,
+            "directory of kt-ft's caches: the measured machine rates and the native kernels compiled "
+            "at run time (default ~/.cache/kt-ft)",
+        ),
     ),
-    Setting(
-        "KT_FT_MMAP_THRESHOLD",
-        "4M",
-        "glibc's mmap threshold for a kt-ft training process (bytes, or K/M): larger blocks are mapped per use "
-        "instead of kept in the heaps, where freed space stays resident (kt_ft/runtime/host_alloc.py); 0: glibc's "
-        "adaptive default",
+    "Fused operators": (
+        Setting(
+            "KT_FT_FUSED_LORA",
+            "1",
+            "0: PEFT's LoRA linears (attention, shared experts, dense MLPs) run PEFT's own forward "
+            "instead of one fused autograd node each: to tell whether the fusion is why a run differs "
+            "from HF + PEFT, or to measure what it saves",
+            "numerics",
+        ),
+        Setting(
+            "KT_FT_FUSED_NORM",
+            "1",
+            "0: Llama-style RMSNorm modules run their own forward (8 operators) instead of torch's "
+            "rms_norm: as KT_FT_FUSED_LORA, for the norms",
+            "numerics",
+        ),
+        Setting(
+            "KT_FT_FUSED_ROPE",
+            "1",
+            "0: the rotary embedding of q and k runs transformers' own apply_rotary_pos_emb "
+            "(14 operators) instead of one autograd node: as KT_FT_FUSED_LORA, for the rotary embedding",
+            "numerics",
+        ),
+        Setting(
+            "KT_FT_CHUNKED_LOSS",
+            "1",
+            "0: the training loss through the model's own forward (the logits of every token at once) "
+            "instead of lm_head and the cross entropy a chunk of tokens at a time; for a model whose "
+            "loss kt-ft says it cannot compute in chunks",
+            "numerics",
+        ),
     ),
-    Setting(
-        "KT_FT_CUDA_GRAPHS",
-        "1",
-        "0: a layer whose experts are all resident on the GPU launches each kernel of its expert work "
-        "instead of replaying CUDA graphs captured per token-count bucket (kt_ft/runtime/graphed.py)",
+    "Diagnostics": (
+        Setting(
+            "KT_FT_PROFILE",
+            None,
+            "DIR: one optimizer step of a llamafactory-cli run under torch.profiler; its operator "
+            "tables and wall time go to DIR (kt-ft on or off alike)",
+        ),
+        Setting("KT_FT_PROFILE_STEP", "3", "the optimizer step KT_FT_PROFILE records (1-based)"),
+        Setting("KT_FT_PROFILE_TRACE", "0", "1: KT_FT_PROFILE also writes the step's gzipped Chrome trace"),
+        Setting(
+            "KT_FT_HOST_TIME",
+            "0",
+            "1: a llamafactory-cli run logs, at its end, each step's wall time and its threads' CPU "
+            "time (medians): whether a step is bound by the host's work, without a profiler's cost",
+        ),
+        Setting(
+            "KT_FT_MEMORY_REPORT",
+            None,
+            "DIR: at the end of training each rank writes its memory record (resident, proportional "
+            "and private bytes, the expert mapping's among them) to DIR/rank0.json, rank1.json, ...",
+        ),
     ),
-    Setting(
-        "KT_FT_DEQUANT_CHUNK_MIB",
-        "1024",
-        "MiB of experts kept quantized (fp8, int8, ...) that GPU experts dequantize at once for one grouped "
-        "product (a chunk of experts; at least one expert; a whole layer in one chunk needs no host sync); "
-        "the GPU memory plan counts it",
+    "kt-ft bench": (
+        Setting(
+            "KT_FT_BENCH_PROFILE", None, "DIR: kt-ft bench's in-process step bench profiles one step there"
+        ),
+        Setting("KT_FT_BENCH_TRACE", "0", "1: KT_FT_BENCH_PROFILE also writes the step's timeline"),
+        Setting(
+            "KT_FT_BENCH_REPLAN",
+            "1",
+            "0: kt-ft bench's step bench times placement auto's first split (no calibration, no trial)",
+        ),
     ),
-    Setting(
-        "KT_FT_FUSED_LORA",
-        "1",
-        "0: PEFT's LoRA linears (attention, shared experts, dense MLPs) run PEFT's own forward instead of one "
-        "fused autograd node each (kt_ft/backends/lora_linear.py)",
-        "numerics",
-    ),
-    Setting(
-        "KT_FT_FUSED_NORM",
-        "1",
-        "0: Llama-style RMSNorm modules run their own forward (8 operators) instead of torch's rms_norm "
-        "(kt_ft/backends/rms_norm.py)",
-        "numerics",
-    ),
-    Setting(
-        "KT_FT_FUSED_ROPE",
-        "1",
-        "0: the rotary embedding of q and k runs transformers' own apply_rotary_pos_emb (14 operators) instead "
-        "of one autograd node (kt_ft/backends/rotary.py)",
-        "numerics",
-    ),
-    Setting(
-        "KT_FT_NATIVE_ISA",
-        "auto",
-        "native CPU GEMMs' path: scalar (plain C++), avx2 (AVX2+FMA), avx512 (AVX-512F fp32), avx512bf16 "
-        "(vdpbf16ps), amx (AMX-BF16); the last two round activations to bf16; one the CPU lacks is refused",
-        "numerics",
-    ),
-    Setting(
-        "KT_FT_NATIVE_BUILD",
-        "1",
-        "0: never compile the native CPU kernels at run time (only a library built at install is used)",
-    ),
-    Setting("KT_FT_CACHE_DIR", None, "directory of the measured machine rates (default ~/.cache/kt-ft)"),
-    Setting(
-        "KT_FT_MEMORY_REPORT", None, "DIR: each rank writes its memory record there at the end of training"
-    ),
-    Setting("KT_FT_PROFILE", None, "DIR: one optimizer step of a llamafactory-cli run under torch.profiler"),
-    Setting("KT_FT_PROFILE_STEP", "3", "the optimizer step KT_FT_PROFILE records (1-based)"),
-    Setting("KT_FT_PROFILE_TRACE", "0", "1: KT_FT_PROFILE also writes a gzipped Chrome trace"),
-    Setting(
-        "KT_FT_HOST_TIME",
-        "0",
-        "1: a llamafactory-cli run logs, at its end, each step's wall time and its threads' CPU time (medians)",
-    ),
-    Setting("KT_FT_BENCH_PROFILE", None, "DIR: the in-process step bench profiles one step there"),
-    Setting("KT_FT_BENCH_TRACE", "0", "1: KT_FT_BENCH_PROFILE also writes the timeline"),
-    Setting(
-        "KT_FT_BENCH_REPLAN", "1", "0: the step bench times auto's first split (no calibration, no trial)"
-    ),
-)
+}
+_ALL = tuple(replace(s, topic=topic) for topic, group in _BY_TOPIC.items() for s in group)
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
 _FALSE = ("0", "false", "no", "off", "")
 _logged = False
@@ -158,12 +211,16 @@ def changed() -> dict[str, str]:
 
 
 def markdown_table() -> str:
-    """The registry as the Markdown table docs/how-it-works.md carries (a test keeps them equal)."""
-    rows = ["| variable | default | changes | effect |", "|---|---|---|---|"]
-    for x in _ALL:
-        default = f"`{x.default}`" if x.default is not None else "unset"
-        rows.append(f"| `{x.name}` | {default} | {x.changes} | {x.help} |")
-    return "\n".join(rows) + "\n"
+    """The registry as Markdown, one table a topic: ``kt-ft settings`` prints it and docs/settings.md
+    carries it (tests/test_settings.py keeps the two equal)."""
+    rows = []
+    for topic, group in _BY_TOPIC.items():
+        rows += [f"### {topic}", "", "| variable | default | changes | what it does |", "|---|---|---|---|"]
+        for x in group:
+            default = f"`{x.default}`" if x.default is not None else "unset"
+            rows.append(f"| `{x.name}` | {default} | {x.changes} | {x.help} |")
+        rows.append("")
+    return "\n".join(rows)
 
 
 def log_changed(logger) -> None:
