@@ -210,7 +210,8 @@ def test_padding_rows_change_no_result(variant):
     order of float sums differs)."""
     from moe_inputs import routed_problem
 
-    from kt_ft.backends.grouped_device import Groups, fused_backward, fused_forward, stack_lora
+    from kt_ft.backends.grouped_device import fused_backward, fused_forward, stack_lora
+    from kt_ft.backends.grouped_products import Groups
 
     T, E, k, H = 9, 6, 2, 32
     base, lora, x, ids, w, grad, seed = routed_problem(T, E, k, H, 16, 4, variant)

@@ -15,6 +15,7 @@ import torch
 from moe_inputs import GPT_OSS_SPEC, make_problem, routed_problem
 
 from kt_ft.backends import grouped_device as gd
+from kt_ft.backends import grouped_products as gp
 from kt_ft.backends.activation import gated_act
 from kt_ft.backends.base import LoraTensors
 
@@ -70,9 +71,9 @@ def test_grouped_expert_forward_matches_a_per_expert_loop(device, dtype, variant
     )
     lora = LoraTensors(*(to(t) for t in lora))
     x, grad = to(x), to(grad)
-    groups = gd.Groups(torch.tensor(counts, device=device), sum(counts), counts if device == "cpu" else None)
+    groups = gp.Groups(torch.tensor(counts, device=device), sum(counts), counts if device == "cpu" else None)
     s = 2.0
-    gd._refused.clear()
+    gp._refused.clear()
     got = run(lambda xx, lo: gd.grouped_expert_forward(xx, base, lo, s, groups), x, lora, grad)
     ref = run(lambda xx, lo: per_expert_loop(xx, base, lo, s, counts), x, lora, grad)
     names = ["out", "x", *LoraTensors._fields]
@@ -84,7 +85,7 @@ def test_grouped_expert_forward_matches_a_per_expert_loop(device, dtype, variant
     for t in got[2:]:
         assert t[1].abs().max() == 0 and t[4].abs().max() == 0
     if grouped and (device == "cpu" or dtype == torch.bfloat16) and hasattr(torch, "_grouped_mm"):
-        refused = [key for key in gd._refused if key[:2] == (device, dtype)]
+        refused = [key for key in gp._refused if key[:2] == (device, dtype)]
         assert not refused, f"torch._grouped_mm was expected to run here; refused {refused}"
 
 
@@ -263,7 +264,7 @@ def test_wide_layout_holds_the_base_weights_and_the_lora_blocks():
 def test_sort_by_id_is_the_stable_argsort_of_the_ids(device, n):
     """Keys narrowed to int8 / int16 (n <= 128 / 32,768) sort like the int64 ids, -1 (not on the
     device) first, ties in their original order."""
-    from kt_ft.backends.grouped_device import sort_by_id
+    from kt_ft.backends.grouped_products import sort_by_id
 
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     print(f"seed {seed}")
@@ -291,8 +292,8 @@ def test_wide_forward_into_given_buffers_equals_new_tensors(dtype):
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=gen).to(dtype)
     flat = ids.reshape(-1)
-    order = gd.sort_by_id(flat, E)
-    groups = gd.Groups(torch.bincount(flat, minlength=E), flat.numel())
+    order = gp.sort_by_id(flat, E)
+    groups = gp.Groups(torch.bincount(flat, minlength=E), flat.numel())
     base.wide.load_lora(*lora, 2.0)
 
     def fwd(into=None):
@@ -326,7 +327,7 @@ def test_an_error_inside_a_graph_capture_is_no_refusal(monkeypatch, capturing):
     counts = [3, 0, 5]
     a = torch.randn(sum(counts), 8, generator=gen)
     b = torch.randn(3, 8, 4, generator=gen)
-    groups = gd.Groups(torch.tensor(counts), sum(counts), counts)
+    groups = gp.Groups(torch.tensor(counts), sum(counts), counts)
 
     def raising(*args, **kwargs):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
@@ -334,13 +335,13 @@ def test_an_error_inside_a_graph_capture_is_no_refusal(monkeypatch, capturing):
     monkeypatch.setattr(torch, "_grouped_mm", raising, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
-    gd._refused.clear()
+    gp._refused.clear()
     if capturing:
         with pytest.raises(RuntimeError, match="capturing"):
-            gd.grouped_mm(a, b, groups)
-        assert not gd._refused
+            gp.grouped_mm(a, b, groups)
+        assert not gp._refused
     else:
-        got = gd.grouped_mm(a, b, groups)
-        torch.testing.assert_close(got, gd.grouped_mm_loop(a, b, groups), rtol=0, atol=0)
-        assert len(gd._refused) == 1
-    gd._refused.clear()
+        got = gp.grouped_mm(a, b, groups)
+        torch.testing.assert_close(got, gp.grouped_mm_loop(a, b, groups), rtol=0, atol=0)
+        assert len(gp._refused) == 1
+    gp._refused.clear()

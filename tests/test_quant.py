@@ -225,7 +225,7 @@ def test_grouped_products_dequantize_a_bounded_chunk_of_experts(fmt, transpose, 
     equals one matmul per expert on ``w[e]`` (float32: 1e-6 of the largest entry; the same
     dequantized values, another summation order at most). With a bound that holds the layer it
     dequantizes once and reads no row counts from the device."""
-    from kt_ft.backends.grouped_device import Groups, base_mm
+    from kt_ft.backends.grouped_products import Groups, base_mm
 
     f = FORMATS[fmt]
     gen = torch.Generator().manual_seed(SEED)

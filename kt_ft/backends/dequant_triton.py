@@ -4,7 +4,7 @@ W[e, r, c] = value(q[e, r, c]) * scale[e, r // 128, c // 128], computed in float
 to the output dtype: the same arithmetic, and so the same bits, as its twin in ``Fp8Block`` (the
 e4m3 -> bf16 copy, exact, then the product with the float32 scale rounded once), which takes two
 kernels and moves 7 bytes an element (1 read + 2 written, then 2 + 2); this one moves 3. On the GPU
-the experts kept quantized are dequantized in every pass of every layer (``grouped_device.base_mm``),
+the experts kept quantized are dequantized in every pass of every layer (``grouped_products.base_mm``),
 so those bytes are a step cost.
 
 One program per 128 x 128 block of one expert (one scale), rows of ``q`` and ``out`` contiguous;

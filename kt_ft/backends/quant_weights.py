@@ -97,7 +97,7 @@ class QuantizedExperts:
         ``self.dtype``), each part written into its rows of one buffer (``QuantFormat.dequantize_many``;
         ``out``: that buffer, [hi - lo, rows, cols] contiguous, else a new one); the [hi - lo, cols,
         rows] transposed view when ``transposed``. For the grouped products, which take a chunk of
-        experts this way (``kernels/grouped_device.py``: the chunk's size bounded by
+        experts this way (``backends/grouped_products.py``: the chunk's size bounded by
         ``KT_FT_DEQUANT_CHUNK_MIB``; ``kernels/grouped.py`` on the CPU)."""
         dt = dtype or self.dtype
         rows = sum(self.part_rows)

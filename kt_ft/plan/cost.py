@@ -151,7 +151,7 @@ class LayerShape:
 
     def gpu_act_bytes(self, pairs: float) -> int:
         """Peak GPU bytes of one layer's expert work with ``pairs`` (token, expert) pairs on the
-        GPU (``kernels/grouped_device.py``): what its forward saves (the gathered input, gate|up,
+        GPU (``backends/grouped_device.py``): what its forward saves (the gathered input, gate|up,
         the activation and the down output: (2·H + 3·I) values a pair, the weights' dtype) and, at
         the backward's widest point, the down output's gradient or the input's (H) beside gate|up's
         (2·I), plus the fp32 slices both passes gather (``BACKWARD_SLICE_ROWS`` pairs x H, two at
@@ -167,7 +167,7 @@ class LayerShape:
 
     def dequant_bytes(self) -> int:
         """GPU bytes of the experts kept quantized that one grouped product dequantizes at once
-        (``kernels/grouped_device.base_mm``: a chunk of ``KT_FT_DEQUANT_CHUNK_MIB``, at least one
+        (``backends/grouped_products.base_mm``: a chunk of ``KT_FT_DEQUANT_CHUNK_MIB``, at least one
         expert's gate|up weight, at most the layer's); 0 for dense experts."""
         if self.stored_bytes is None:
             return 0

@@ -30,13 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from kt_ft.backends.base import ExpertWeights, LoraTensors, accum_dtype, lora_key
-from kt_ft.backends.grouped_device import (
-    FusedGroupedExperts,
-    Groups,
-    grouped_expert_forward,
-    sort_by_id,
-    stack_lora,
-)
+from kt_ft.backends.grouped_device import FusedGroupedExperts, grouped_expert_forward, stack_lora
+from kt_ft.backends.grouped_products import Groups, sort_by_id
 from kt_ft.runtime.function import prefetch_grad_out
 from kt_ft.runtime.graphed import LayerGraphs
 from kt_ft.runtime.inner_graph import inner_grads, take_inner
@@ -264,7 +259,7 @@ class DeviceExperts:
         """The formula of the module doc for every device expert with pairs -> [T, H] accum dtype
         (``out_dtype`` where given and one placement has pairs):
         one grouped product per projection for the resident experts and one for the streamed ones,
-        each placement's share one autograd node (``kernels/grouped_device.py``
+        each placement's share one autograd node (``backends/grouped_device.py``
         ``FusedGroupedExperts``; ``compute_reference`` is its twin under plain autograd). ``key``
         names the LoRA's current values (``start``) for the cast cache."""
         out = None

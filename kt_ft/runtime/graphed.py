@@ -44,16 +44,8 @@ import weakref
 import torch
 
 from kt_ft.backends.base import lora_key
-from kt_ft.backends.grouped_device import (
-    FusedMeta,
-    Groups,
-    _refused,
-    fused_backward,
-    fused_forward,
-    sort_by_id,
-    stack_lora,
-    weight_tensors,
-)
+from kt_ft.backends.grouped_device import FusedMeta, fused_backward, fused_forward, stack_lora, weight_tensors
+from kt_ft.backends.grouped_products import Groups, _refused, sort_by_id
 from kt_ft.base.log import get_logger
 from kt_ft.base.settings import enabled
 

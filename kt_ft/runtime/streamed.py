@@ -42,7 +42,7 @@ weights and biases; for experts kept quantized, ``kt_ft.backends.quant``, their 
 INT4 codes and their scales), rows in the order of the ids, each tensor starting at a multiple
 of ``_ALIGN`` bytes and viewed in its own dtype. So quantized experts cross the link in their
 stored bytes and are dequantized on the device by the products, a bounded chunk of experts at a
-time (``KT_FT_DEQUANT_CHUNK_MIB``, ``kernels/grouped_device.py``).
+time (``KT_FT_DEQUANT_CHUNK_MIB``, ``backends/grouped_products.py``).
 """
 
 from __future__ import annotations
