@@ -26,7 +26,7 @@ from tiny_models import tiny_model
 from kt_ft.plan.families import FAMILIES
 from kt_ft.plan.loader import load_rules
 from kt_ft.plan.placement import make_plan
-from kt_ft.runtime import graphed
+from kt_ft.runtime import graph_buckets, graph_capture, graphed
 from kt_ft.runtime.patch import replace_routed_experts
 
 RANK, ALPHA = 8, 16  # rank 8: bf16 LoRA rows of 16 bytes, which torch._grouped_mm takes
@@ -172,18 +172,18 @@ def test_a_failure_names_the_innermost_frame_of_kt_fts_code():
     """A failed capture's log line says where it stopped (the innermost kt_ft frame of the error)
     and the error's first line."""
     with pytest.raises(RuntimeError) as info:
-        graphed.zero_rows_to(torch.zeros(3, 2), 1)  # fewer rows than it has: a negative size
-    got = graphed.failure(info.value)
+        graph_buckets.zero_rows_to(torch.zeros(3, 2), 1)  # fewer rows than it has: a negative size
+    got = graph_capture.failure(info.value)
     first = str(info.value).splitlines()[0]
-    assert re.fullmatch(r"at graphed\.py:\d+ \(zero_rows_to\): " + re.escape(first[:200]), got), got
-    assert graphed.failure(RuntimeError("raised nowhere\nmore")) == "at ?: raised nowhere"
+    assert re.fullmatch(r"at graph_buckets\.py:\d+ \(zero_rows_to\): " + re.escape(first[:200]), got), got
+    assert graph_capture.failure(RuntimeError("raised nowhere\nmore")) == "at ?: raised nowhere"
 
     def outside():  # a frame outside the kt_ft package (whatever folder the checkout is in)
         raise RuntimeError("in the tests")
 
     with pytest.raises(RuntimeError) as info:
         outside()
-    assert graphed.failure(info.value) == "at ?: in the tests"
+    assert graph_capture.failure(info.value) == "at ?: in the tests"
 
 
 def test_buckets_round_up_by_at_most_a_quarter():
@@ -191,14 +191,14 @@ def test_buckets_round_up_by_at_most_a_quarter():
     powers of two stay; the buckets per power of two are four."""
     prev = 0
     for t in range(1, 5001):
-        b = graphed.bucket_tokens(t)
+        b = graph_buckets.bucket_tokens(t)
         assert b >= t and b >= prev, (t, b)
-        if t > graphed.MIN_BUCKET:
+        if t > graph_buckets.MIN_BUCKET:
             assert b <= 1.25 * t, (t, b)
         prev = b
-    assert [graphed.bucket_tokens(t) for t in (64, 128, 1024, 2048)] == [64, 128, 1024, 2048]
-    assert len({graphed.bucket_tokens(t) for t in range(1025, 2049)}) == 4
-    assert graphed.bucket_tokens(1100) == 1280
+    assert [graph_buckets.bucket_tokens(t) for t in (64, 128, 1024, 2048)] == [64, 128, 1024, 2048]
+    assert len({graph_buckets.bucket_tokens(t) for t in range(1025, 2049)}) == 4
+    assert graph_buckets.bucket_tokens(1100) == 1280
 
 
 @pytest.mark.parametrize("variant", ["plain", "gpt_oss"])
@@ -235,12 +235,12 @@ def test_padding_rows_change_no_result(variant):
 
     ref = call(x, ids, w, grad)
     tb = 16
-    xp, ip, wp = graphed.pad_rows(x, ids, w, tb, E)
+    xp, ip, wp = graph_buckets.pad_rows(x, ids, w, tb, E)
     assert xp.shape == (tb, H) and ip.shape == (tb, k) and wp.shape == (tb, k)
     assert torch.equal(xp[:T], x) and torch.equal(ip[:T], ids) and not wp[T:].any()
     gp = torch.cat([grad, grad.new_zeros(tb - T, H)])
     out, *grads = call(xp, ip, wp, gp)
-    got = (out[:T], *graphed.unpad_grads(tuple(grads), T))
+    got = (out[:T], *graph_buckets.unpad_grads(tuple(grads), T))
     names = ["out", "x", "weights", "gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"]
     for name, a, b in zip(names, got, ref):
         assert a.shape == b.shape, (name, a.shape, b.shape)

@@ -32,14 +32,13 @@ count), room on the GPU, at most ``MAX_BUCKETS`` buckets a layer (micro-batches 
 eagerly), unless ``KT_FT_CUDA_GRAPHS=0``. Every refusal or failure
 falls back to the eager path (``device_experts.py``), with one log line; the numbers are the same
 kernels' in the same order.
+
+Here: when a layer replays (``LayerGraphs``), its captures and replays, and the autograd node of a
+replayed forward with grad. The buckets and padding rows are ``graph_buckets.py``'s; the shared
+buffers and pool (``Workspace``) and the capture itself ``graph_capture.py``'s.
 """
 
 from __future__ import annotations
-
-import contextlib
-import os
-import traceback
-import weakref
 
 import torch
 
@@ -48,6 +47,16 @@ from kt_ft.backends.grouped_device import FusedMeta, fused_backward, fused_forwa
 from kt_ft.backends.grouped_products import Groups, _refused, sort_by_id
 from kt_ft.base.log import get_logger
 from kt_ft.base.settings import enabled
+from kt_ft.runtime.graph_buckets import bucket_tokens, pad_ids, pad_rows, unpad_grads, zero_rows_to
+from kt_ft.runtime.graph_capture import (
+    Captured,
+    Pending,
+    Workspace,
+    capture_into,
+    copy_unless_same,
+    failure,
+    warm_up_stream,
+)
 
 logger = get_logger(__name__)
 
@@ -58,7 +67,6 @@ MAX_BUCKETS = 6  # token-count buckets a layer captures graphs for; calls in oth
 # Lite, 16 micro-batches in 9 buckets, capture at the second use) the run was 1.23x slower than
 # without graphs; data of one length loses 2 micro-batches' worth of replays
 SEEN_BEFORE_CAPTURE = 3
-MIN_BUCKET = 64  # the smallest bucket: shorter calls (generation's one token) pad to it
 _GRAD_NAMES = ("grad_x", "grad_w", *(f"grad_lora{i}" for i in range(6)))  # fused_backward's, in order
 _forbidden: str | None = None  # why graphs are off for this process (a GPU memory cap)
 _logged: set[str] = set()
@@ -101,70 +109,6 @@ def _log_once(key: str, msg: str) -> None:
         logger.info(msg)
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # kt_ft/
-
-
-def failure(e: BaseException) -> str:
-    """``at file:line (function): <e's first line>``, the frame being the innermost of kt-ft's own
-    code in ``e``'s traceback: where a failed capture stopped, for its log line (captures fail on
-    the GPU only, where a traceback is not at hand)."""
-    frames = [
-        f for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename).startswith(_PACKAGE)
-    ]
-    where = (
-        f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} ({frames[-1].name})" if frames else "?"
-    )
-    return f"at {where}: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
-
-
-def bucket_tokens(tokens: int) -> int:
-    """The token count a call of ``tokens`` tokens replays at: rounded up to a multiple of an
-    eighth of the next power of two (so 4 buckets per power of two, at most 25% padding rows;
-    powers of two and 5, 6, 7 eighths of one stay as they are), at least ``MIN_BUCKET``."""
-    if tokens <= MIN_BUCKET:
-        return MIN_BUCKET
-    step = 1 << ((tokens - 1).bit_length() - 3)
-    return -(-tokens // step) * step
-
-
-_fillers: dict[tuple, torch.Tensor] = {}
-
-
-def pad_ids(tokens: int, k: int, experts: int, device) -> torch.Tensor:
-    """[tokens, k] int64 on ``device``: the expert ids of padding rows, spread round-robin over the
-    ``experts`` (so no expert's group grows by more than ~tokens k / experts rows). Cached."""
-    key = (tokens, k, experts, torch.device(device))
-    t = _fillers.get(key)
-    if t is None:
-        t = _fillers[key] = (torch.arange(tokens * k, device=device) % experts).view(tokens, k)
-    return t
-
-
-def zero_rows_to(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """``t`` [n, ...] with zero rows appended up to ``rows`` (``t`` itself when n == rows)."""
-    n = t.shape[0]
-    return t if n == rows else torch.cat([t, t.new_zeros(rows - n, *t.shape[1:])])
-
-
-def pad_rows(x: torch.Tensor, local: torch.Tensor, weights: torch.Tensor, tokens: int, experts: int):
-    """(x [tokens, H], local [tokens, k], weights [tokens, k]): the call's rows, then padding rows
-    (zero inputs, ``pad_ids``, routing weight 0) up to ``tokens``; the inputs as they are when
-    already that long. A padding row's pairs add w d = 0 to the output, and with a zero incoming
-    gradient (``zero_rows_to``) nothing to any gradient."""
-    t = x.shape[0]
-    if t == tokens:
-        return x, local, weights
-    lp = torch.cat([local, pad_ids(tokens, local.shape[1], experts, local.device)[t:]])
-    return zero_rows_to(x, tokens), lp, zero_rows_to(weights, tokens)
-
-
-def unpad_grads(grads: tuple, tokens: int) -> tuple:
-    """``fused_backward``'s (grad_x, grad_w, six LoRA grads) of a padded call -> those of its first
-    ``tokens`` rows (the LoRA gradients are sums over rows: padding rows added zero to them)."""
-    gx, gw, *lo = grads
-    return (None if gx is None else gx[:tokens], None if gw is None else gw[:tokens], *lo)
-
-
 def saved_tensor_hooks_active() -> bool:
     """Whether saved-tensor hooks are set (non-reentrant checkpointing, offloading): a forward with
     grad must then save through them, which the workspace's buffers would bypass."""
@@ -174,143 +118,7 @@ def saved_tensor_hooks_active() -> bool:
     return top(False) is not None
 
 
-def _copy_unless_same(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst.copy_(src), unless src already is dst (written in place through ``into``)."""
-    if src.data_ptr() != dst.data_ptr() or src.shape != dst.shape or src.stride() != dst.stride():
-        dst.copy_(src)
-
-
-_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-@contextlib.contextmanager
-def _capture_into(g: torch.cuda.CUDAGraph, ws: Workspace, device):
-    """Capture into ``g`` (its memory from ``ws.pool``, thread-local error mode) on a side stream of
-    ``device``; the caller's stream is current again afterwards however the capture ends.
-
-    Not ``torch.cuda.graph``: that synchronizes the device and collects Python garbage before every
-    capture (a run of varied lengths captures three graphs a layer and bucket), and when an op
-    inside fails, its exit raises from ``capture_end`` before it restores the stream, so the rest
-    of the step would run on the side stream, unordered with other threads' streams (the autograd
-    engine's). The allocator's cache is still emptied first: the graph's pool cannot take blocks
-    cached for the rest of the step, so without it every capture's memory came on top of them
-    (measured: 45.3 GiB reserved for 35.2 allocated, against 37.0 with it).
-
-    A failed capture's ``capture_end`` raises before it ends the routing of allocations to the pool,
-    in the device allocator and (PyTorch 2.11; not 2.9) the pinned host allocator, so the next capture
-    into that pool (another layer's) failed with "already recording to mempool_id". The device
-    allocator's routing is ended here (left on, every later allocation would ask the driver for
-    the dead capture's status); the host allocator's has no hook, so the workspace moves on to a
-    fresh pool."""
-    device = torch.device(device)
-    torch.cuda.empty_cache()
-    caller = torch.cuda.current_stream(device)
-    stream = _capture_streams.get(device)
-    if stream is None:
-        stream = _capture_streams[device] = torch.cuda.Stream(device)
-    stream.wait_stream(caller)
-    torch.cuda.set_stream(stream)
-    try:
-        pool = ws.pool
-        g.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            yield
-        except BaseException:
-            # end the capture the op invalidated; its error ("a previous error during capture")
-            # would hide the op's own, which says what failed
-            with contextlib.suppress(RuntimeError):
-                g.capture_end()
-            _end_pool_allocation(device, pool)
-            ws.pool = torch.cuda.graph_pool_handle()
-            raise
-        g.capture_end()
-    finally:
-        torch.cuda.set_stream(caller)
-
-
-@contextlib.contextmanager
-def _warm_up_stream(device):
-    """Run a capture's warm-up on a fresh side stream of ``device``, ordered after the caller's
-    stream's work and before its later work (lazy initialisations stay out of the capture)."""
-    caller = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(caller)
-    with torch.cuda.stream(side):
-        yield
-    caller.wait_stream(side)
-
-
-def _end_pool_allocation(device: torch.device, pool) -> None:
-    """End routing ``device``'s allocations to ``pool`` if a failed capture left it on (no-op when
-    ``capture_end`` got that far, or on a PyTorch without the hook)."""
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is not None:
-        with contextlib.suppress(RuntimeError):
-            end(device.index if device.index is not None else torch.cuda.current_device(), pool)
-
-
-class Workspace:
-    """Static buffers (inputs, output, the saved tensors, the gradients) and the graph memory pool
-    shared by every layer of one signature (device, token count, sizes, dtypes)."""
-
-    def __init__(self) -> None:
-        self.pool = torch.cuda.graph_pool_handle()
-        self.bufs: dict[str, torch.Tensor] = {}
-        self.owner: weakref.ref | None = None  # the _Pending whose saved tensors fill the buffers
-        self.keep_saved = True  # False after an eviction: forwards with grad run eagerly
-        self.n_saved = 0  # fused_forward's saved tensors kept here (the base weights are static)
-
-    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """The static buffer ``name`` with ``like``'s shape and dtype (made at the first ask)."""
-        b = self.bufs.get(name)
-        if b is None:
-            b = self.bufs[name] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-        elif b.shape != like.shape or b.dtype != like.dtype:
-            raise RuntimeError(
-                f"workspace buffer {name}: {tuple(b.shape)} {b.dtype}, asked {tuple(like.shape)} {like.dtype}"
-            )
-        return b
-
-    def saved(self) -> tuple[torch.Tensor | None, ...]:
-        """fused_forward's saved tensors as the buffers hold them (None where it saved none)."""
-        return tuple(self.bufs.get(f"saved{i}") for i in range(self.n_saved))
-
-    def claim(self, pending: _Pending) -> None:
-        """A graph that writes the saved buffers is about to replay for ``pending``: a previous
-        owner still waiting for its backward gets a copy of its tensors first."""
-        old = self.owner() if self.owner is not None else None
-        if old is not None and old is not pending and old.in_workspace:
-            old.saved = tuple(None if t is None else t.clone() for t in self.saved())
-            old.counts = self.bufs["counts"].clone()
-            old.in_workspace = False
-            self.keep_saved = False
-            _log_once(
-                "evict",
-                "CUDA graphs: a forward ran before the backward of the one before it (no gradient "
-                "checkpointing): forwards with grad of resident layers run without graphs from here on",
-            )
-        self.owner = weakref.ref(pending)
-
-
 _workspaces: dict[tuple, Workspace] = {}
-
-
-class _Pending:
-    """One forward with grad, until its backward: its tensors in the workspace, or copies."""
-
-    def __init__(self, ws: Workspace, key: tuple, meta: FusedMeta, tokens: int) -> None:
-        self.ws, self.key, self.meta = ws, key, meta
-        self.tokens = tokens  # the call's own rows (key[1], the bucket, may be more)
-        self.in_workspace = True
-        self.saved: tuple[torch.Tensor, ...] | None = None
-        self.counts: torch.Tensor | None = None
-
-
-class _Captured:
-    """One captured graph, the workspace it reads and writes, and (forwards) the meta its backward needs."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, ws: Workspace, meta: FusedMeta | None) -> None:
-        self.graph, self.ws, self.meta = graph, ws, meta
 
 
 class LayerGraphs:
@@ -319,7 +127,7 @@ class LayerGraphs:
     def __init__(self, dev, scaling: float) -> None:  # dev: device_experts.DeviceExperts (its importer)
         self.dev, self.scaling = dev, scaling
         self.seen: dict[tuple, int] = {}
-        self.graphs: dict[tuple, _Captured] = {}
+        self.graphs: dict[tuple, Captured] = {}
         self.off: str | None = None  # why this layer stopped using graphs
         self.captures = self.replays = 0  # (tests count them)
         self._ptrs: tuple | None = None
@@ -420,9 +228,9 @@ class LayerGraphs:
             wide.load_lora(*lora, self.scaling)
             self._lora_loaded = key
 
-    def forward_pending(self, key, tokens: int) -> _Pending:
+    def forward_pending(self, key, tokens: int) -> Pending:
         cap = self.graphs[key]
-        return _Pending(cap.ws, key, cap.meta, tokens)
+        return Pending(cap.ws, key, cap.meta, tokens)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -480,7 +288,7 @@ class LayerGraphs:
         try:
             # warm-up on a side stream (lazy initialisations stay out of the capture); its tensors
             # size the static buffers
-            with _warm_up_stream(x.device), torch.no_grad():
+            with warm_up_stream(x.device), torch.no_grad():
                 out, counts, saved, _ = self._forward_body(x, local, weights, lora, k)
             nbytes = sum(t.numel() * t.element_size() for t in (out, *saved) if t is not None)
             if not self._room(x, nbytes):
@@ -503,20 +311,20 @@ class LayerGraphs:
             if grad and self.dev.resident.weights.wide is not None:
                 into.update(xw=s_saved[0], hw=s_saved[2])
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), _capture_into(g, ws, x.device):
+            with torch.no_grad(), capture_into(g, ws, x.device):
                 out, counts, saved, meta = self._forward_body(sx, sl, sw, lora, k, into)
-                _copy_unless_same(so, out)
+                copy_unless_same(so, out)
                 if grad:
                     s_counts.copy_(counts)
                     for dst, src in zip(s_saved, saved):
                         if dst is not None:
-                            _copy_unless_same(dst, src)
+                            copy_unless_same(dst, src)
                 del out, counts, saved
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self._stop(f"capture failed {failure(e)}")
             return False
         # the backward rebuilds the groups from the workspace's counts: none of the capture's tensors kept
-        self.graphs[key] = _Captured(g, ws, meta._replace(groups=None))
+        self.graphs[key] = Captured(g, ws, meta._replace(groups=None))
         self.captures += 1
         _log_once(
             "captured",
@@ -525,11 +333,15 @@ class LayerGraphs:
         )
         return True
 
-    def _replay_forward(self, key, x, local, weights, pending: _Pending | None) -> torch.Tensor:
+    def _replay_forward(self, key, x, local, weights, pending: Pending | None) -> torch.Tensor:
         cap = self.graphs[key]
         ws = cap.ws
-        if pending is not None:  # a forward with grad: it writes the saved buffers
-            ws.claim(pending)
+        if pending is not None and ws.claim(pending):  # a forward with grad writes the saved buffers
+            _log_once(
+                "evict",
+                "CUDA graphs: a forward ran before the backward of the one before it (no gradient "
+                "checkpointing): forwards with grad of resident layers run without graphs from here on",
+            )
         t, tb = x.shape[0], key[1]
         bx, bl, bw = ws.bufs["x"], ws.bufs["local"], ws.bufs["weights"]
         bx[:t].copy_(x)
@@ -545,7 +357,7 @@ class LayerGraphs:
 
     # -- backward -----------------------------------------------------------------------------
 
-    def backward(self, pending: _Pending, grad_out, needs_x: bool, needs_w: bool):
+    def backward(self, pending: Pending, grad_out, needs_x: bool, needs_w: bool):
         """-> (grad_x, grad_weights, six LoRA grads) of ``pending``'s forward."""
         ws, meta = pending.ws, pending.meta
         base = self.dev.resident.weights
@@ -602,12 +414,12 @@ class LayerGraphs:
         try:
             go.copy_(grad_out)
             dev = go.device
-            with _warm_up_stream(dev), torch.no_grad():
+            with warm_up_stream(dev), torch.no_grad():
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
             dst = {n: ws.buffer(n, g) for n, g in zip(_GRAD_NAMES, grads) if g is not None}
             del grads
             g = torch.cuda.CUDAGraph()
-            with torch.no_grad(), _capture_into(g, ws, dev):
+            with torch.no_grad(), capture_into(g, ws, dev):
                 grads = self._backward_body(ws, meta, go, needs_x, needs_w)
                 for n, t in zip(_GRAD_NAMES, grads):
                     if t is not None:
@@ -616,7 +428,7 @@ class LayerGraphs:
         except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
             self._stop(f"backward capture failed {failure(e)}")
             return False
-        self.graphs[bkey] = _Captured(g, ws, None)
+        self.graphs[bkey] = Captured(g, ws, None)
         self.captures += 1
         return True
 
