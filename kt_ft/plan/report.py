@@ -40,6 +40,7 @@ Formulas (each number is an estimate, stated so it can be checked by hand):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -73,6 +74,14 @@ class TrainSizes:
     batch: int = 1
     lora_rank: int = 8
     state_bytes: int = TRAIN_STATE_BYTES  # a trainable parameter's training state (PURE_BF16_STATE_BYTES)
+
+
+def train_sizes(config: Any) -> TrainSizes:
+    """The sizes a ``KTConfig`` (``kt_ft.plan.recipe``) trains with: its micro-batch, its LoRA rank
+    and its trainable parameters' state (bf16 LoRA under ``pure_bf16``: ``lora_dtype``)."""
+    return TrainSizes(
+        config.cutoff_len, config.batch, config.rank, state_bytes(config.lora_dtype == torch.bfloat16)
+    )
 
 
 def cpu_op_saved_bytes(tokens: int, k: int, hidden: int, inter: int, rank: int, num_experts: int) -> int:

@@ -43,7 +43,7 @@ from kt_ft.plan.family import family_of
 from kt_ft.plan.loader import load_rules
 from kt_ft.plan.placement import PlacementPlan, make_plan
 from kt_ft.plan.recipe import KTConfig
-from kt_ft.plan.report import TrainSizes, state_bytes
+from kt_ft.plan.report import train_sizes
 from kt_ft.runtime.adapter import (
     adapter_info,
     hook_load_adapter,
@@ -232,9 +232,7 @@ def _auto_placement(model: torch.nn.Module, plan: PlacementPlan, config: KTConfi
     started = auto_at_start(
         model,
         plan,
-        TrainSizes(
-            config.cutoff_len, config.batch, config.rank, state_bytes(config.lora_dtype == torch.bfloat16)
-        ),
+        train_sizes(config),
         gpu_memory_gib=config.gpu_memory_gib,
         remeasure=config.remeasure,
         chunk_size=config.chunk_size,

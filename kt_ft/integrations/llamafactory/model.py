@@ -9,19 +9,14 @@ import torch
 
 from kt_ft.backends.quant_detect import config_source, take_quantization_config
 from kt_ft.base.errors import KTConfigError
-from kt_ft.base.log import fmt_bytes, get_logger
+from kt_ft.base.log import get_logger
 from kt_ft.base.processes import threads_per_rank, topology
 from kt_ft.base.settings import log_changed
-from kt_ft.formats.skeleton import meta_model
 from kt_ft.integrations.llamafactory.multimodal import expert_lora_trainable
-from kt_ft.plan.family import family_of
-from kt_ft.plan.loader import load_rules
 from kt_ft.plan.recipe import recipe_source
-from kt_ft.plan.report import TrainSizes, check_gpu_cap, state_bytes
-from kt_ft.runtime.core import apply, plan_for, resolve_rule
-from kt_ft.runtime.host_alloc import apply as apply_host_alloc
-from kt_ft.runtime.loading import plan_expert_reader, planned_device_map
-from kt_ft.runtime.shared_weights import meta_device_map, share_expert_weights, sharing_enabled
+from kt_ft.runtime.core import apply, plan_for
+from kt_ft.runtime.preload import prepare_loading
+from kt_ft.runtime.shared_weights import share_expert_weights, sharing_enabled
 
 logger = get_logger(__name__)
 
@@ -36,66 +31,31 @@ def take_quantization(config: Any, model_args: Any) -> None:
 
 
 def plan_loading(config: Any, model_args: Any, init_kwargs: dict) -> None:
-    """Before any weight is read: plan on a meta skeleton (rule errors stop here), and with CUDA
-    load the routed experts straight into CPU RAM and the rest straight to the training GPU."""
-
-    apply_host_alloc(logger)  # before the weights load: the heaps' policy for the whole run
-    family = family_of(config)
+    """Before any weight is read (``kt_ft.runtime.preload``): the device map LLaMA-Factory's
+    ``from_pretrained`` uses, and the expert reader ``fill_read_experts`` / ``attach_kt`` run."""
     current = init_kwargs.get("device_map")
     single = isinstance(current, dict) and list(current) == [""]
-    training_device = current[""] if single else "cpu"
-    rules = load_rules(resolve_rule(model_args.kt_optimize_rule, family))
-    device_map, plan = planned_device_map(
-        config, rules, family, model_args.kt_backend, threads_per_rank(model_args.cpu_infer), training_device
+    cutoff, batch = _micro_batch(model_args)
+    kt = model_args.kt_config(
+        threads=threads_per_rank(model_args.cpu_infer),
+        rank=getattr(model_args, "_kt_ft_lora_rank", 8),  # PEFT's LoRA counts in the GPU-cap check
+        cutoff_len=cutoff,
+        batch=batch,
+        lora_dtype=torch.bfloat16 if getattr(model_args, "_kt_ft_pure_bf16", False) else torch.float32,
     )
-    cap = getattr(model_args, "kt_gpu_memory", None)
-    if cap is not None and torch.device(training_device).type == "cuda":
-        _check_gpu_cap(config, plan, model_args, cap)
-    topo = topology()
-    expert_names = [e.name for e in plan.experts]
-    sharing = single and sharing_enabled(topo.local_world_size)
-    if sharing and topo.local_rank != 0:
-        # Another rank on this machine loads the experts; this one maps them (shared_weights).
-        init_kwargs["device_map"] = meta_device_map(device_map, expert_names)
-        logger.info(f"local rank {topo.local_rank}: routed experts not read here (shared from local rank 0)")
-        return
-    quant = getattr(model_args, "_kt_ft_quant", None)
-    if quant is not None and (not single or sharing):
-        raise KTConfigError(
-            f"{model_args.model_name_or_path}: {quant.name} routed experts are read by one process per machine "
-            "with a single training device only in this version"
-            + ("; set KT_FT_SHARE_EXPERTS=0 (each rank reads its own quantized copy)" if sharing else "")
-        )
-    reader = (
-        plan_expert_reader(model_args.model_name_or_path, config, expert_names, quant) if single else None
+    loading = prepare_loading(
+        config,
+        str(model_args.model_name_or_path),
+        kt,
+        training_device=current[""] if single else "cpu",
+        single_device=single,
+        quant=getattr(model_args, "_kt_ft_quant", None),
+        source=recipe_source(),
     )
-    if reader is not None:
-        # transformers loads the rest; kt-ft reads the experts right after (fill_read_experts)
-        init_kwargs["device_map"] = reader.device_map(device_map)
-        model_args._kt_ft_expert_reader = reader
-        # several ranks here: local rank 0 reads them straight into the shared mapping (attach_kt)
-        model_args._kt_ft_read_shared = sharing
-        logger.info(
-            f"loading {len(expert_names)} routed-experts modules ({fmt_bytes(reader.nbytes)} in the files) "
-            f"straight from the files into CPU RAM, the rest to {training_device}"
-        )
-    elif single and torch.cuda.is_available() and torch.device(training_device).type == "cuda":
-        init_kwargs["device_map"] = device_map
-        logger.info(
-            f"loading {len(expert_names)} routed-experts modules into CPU RAM, the rest to {training_device}"
-        )
-
-
-def _check_gpu_cap(config: Any, plan: Any, model_args: Any, cap_gib: float) -> None:
-    """``kt_gpu_memory`` too small for the run even with every auto-placed expert on the CPU: stop
-    before any weight is read (``rules/report.py`` ``check_gpu_cap``)."""
-
-    sizes = TrainSizes(
-        *_micro_batch(model_args),
-        getattr(model_args, "_kt_ft_lora_rank", 8),
-        state_bytes(getattr(model_args, "_kt_ft_pure_bf16", False)),
-    )
-    check_gpu_cap(meta_model(config, torch.bfloat16), plan, torch.bfloat16, sizes, cap_gib, recipe_source())
+    if loading.device_map is not None:
+        init_kwargs["device_map"] = loading.device_map
+    model_args._kt_ft_expert_reader = loading.reader
+    model_args._kt_ft_read_shared = loading.shared
 
 
 def _micro_batch(model_args: Any) -> tuple[int, int]:

@@ -17,7 +17,7 @@
 
 With ``use_kt`` false or absent every patched function calls the original unchanged, with one
 exception that changes no run LLaMA-Factory accepts: a vision tower's patch-embedding Conv3d, which
-LLaMA-Factory refuses under torch 2.9.x, is computed as the equal matmul (``patch_embed``).
+LLaMA-Factory refuses under torch 2.9.x, is computed as the equal matmul (``avoid_conv3d_refusal``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 from kt_ft.base.errors import KTConfigError
 from kt_ft.base.log import get_logger
-from kt_ft.integrations.llamafactory.parallel import check_raw_recipe, requested_engine
+from kt_ft.integrations.trainer.parallel import check_raw_recipe, requested_engine
 from kt_ft.plan.recipe import KTArguments, recipe_source
 
 logger = get_logger(__name__)
@@ -216,10 +216,6 @@ def patch_loader_module(loader: ModuleType) -> None:
 
             # right after from_pretrained, before LLaMA-Factory touches the parameters
             fill_read_experts(model, model_args)
-        from kt_ft.integrations.llamafactory.patch_embed import (
-            avoid_conv3d_refusal,  # why: as attach_kt above
-        )
-
         # Vision towers: with or without use_kt, where LLaMA-Factory would otherwise refuse the
         # model outright (Conv3d under torch 2.9.x), so no run it accepts is changed.
         avoid_conv3d_refusal(model)
@@ -229,3 +225,27 @@ def patch_loader_module(loader: ModuleType) -> None:
     loader.patch_config = patch_config
     loader.patch_model = patch_model
     loader._kt_ft_patched = True
+
+
+def conv3d_refused(model: Any) -> bool:
+    """LLaMA-Factory 0.9.5's condition (``load_model``): torch >= 2.9.0 and < 2.10.0, and an
+    ``nn.Conv3d`` in the model."""
+    from llamafactory.extras.packages import is_torch_version_greater_than
+    from torch import nn
+
+    in_range = is_torch_version_greater_than("2.9.0") and not is_torch_version_greater_than("2.10.0")
+    return in_range and any(isinstance(m, nn.Conv3d) for m in model.modules())
+
+
+def avoid_conv3d_refusal(model: Any) -> None:
+    """Where LLaMA-Factory would refuse the model (``conv3d_refused``), swap its patch-embedding
+    Conv3d for the equal matmul and say so; otherwise leave the model alone."""
+    if not conv3d_refused(model):
+        return
+    from kt_ft.backends.patch_conv import replace_patch_conv3d  # why: torch and the model code load on use
+
+    names = replace_patch_conv3d(model)
+    logger.info(
+        f"{', '.join(names)}: Conv3d (stride == kernel) computed as a matmul, same weights "
+        "(LLaMA-Factory refuses Conv3d under torch 2.9.x)"
+    )

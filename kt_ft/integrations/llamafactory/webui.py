@@ -38,29 +38,11 @@ KEYS = ("use_kt", "kt_optimize_rule", "kt_backend", "cpu_infer", "chunk_size", "
 PLAN_BUTTON, PLAN_BOX, ACCORDION = "kt_plan_btn", "kt_plan_box", "kt_tab"
 LANGS = ("en", "ru", "zh", "ko", "ja")  # LLaMA-Factory's board languages: change_lang needs each
 
+# the fields' labels are the recipe keys, their help the keys' own (kt_ft/plan/recipe.py); an
+# emptied number field (0) means the key's default
 LABELS: dict[str, dict[str, str]] = {
     ACCORDION: {"label": "kt-ft (MoE experts on the CPU)"},
-    "use_kt": {
-        "label": "use_kt",
-        "info": "Routed MoE experts stay in CPU RAM, computed with their LoRA by kt-ft's CPU operator.",
-    },
-    "kt_optimize_rule": {
-        "label": "kt_optimize_rule",
-        "info": "A built-in rule or a YAML path; empty: the built-in rule of the model's family.",
-    },
-    "kt_backend": {"label": "kt_backend", "info": "CPU expert backend (auto: the fastest this CPU runs)."},
-    "cpu_infer": {
-        "label": "cpu_infer",
-        "info": "CPU threads for the expert operator; empty or 0: cores minus a few.",
-    },
-    "chunk_size": {
-        "label": "chunk_size",
-        "info": "Max tokens per CPU expert call; longer batches are split.",
-    },
-    "kt_gpu_memory": {
-        "label": "kt_gpu_memory",
-        "info": "placement: auto: GiB of the GPU the run may use; empty or 0: its free memory at start.",
-    },
+    **{f.name: {"label": f.name, "info": f.metadata["help"]} for f in fields(KTArguments) if f.name in KEYS},
     PLAN_BUTTON: {"value": "Plan (kt-ft rules plan)"},
     PLAN_BOX: {"value": "The plan of the model path and rule above: what goes where and its memory."},
 }

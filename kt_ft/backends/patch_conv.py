@@ -2,7 +2,8 @@
 
 LLaMA-Factory 0.9.5 refuses to load any model holding an ``nn.Conv3d`` under torch 2.9.x (a
 cuDNN performance regression of Conv3d in that release, pytorch#166122), which rules out every
-Qwen-VL vision tower on the pinned stack. Their patch embedding is a Conv3d whose kernel equals
+Qwen-VL vision tower on the pinned stack (its loader hook calls ``replace_patch_conv3d`` then:
+``kt_ft.integrations.llamafactory.patches``). Their patch embedding is a Conv3d whose kernel equals
 its stride and the input it gets is exactly one kernel per patch ([N, C, t, p, p]), so it is a
 linear map of the flattened patch: ``out[n] = W.view(D, C*t*p*p) @ x[n].flatten() + b``. The
 swap keeps the same ``weight`` / ``bias`` Parameter objects under the same names (state dicts,
@@ -11,8 +12,6 @@ checkpoints and ``kt-ft merge`` are unchanged) and any other input shape still g
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,24 +72,3 @@ def replace_patch_conv3d(model: nn.Module) -> list[str]:
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, replacement)
         swapped.append(name)
     return swapped
-
-
-def conv3d_refused(model: Any) -> bool:
-    """LLaMA-Factory 0.9.5's condition (``load_model``): torch >= 2.9.0 and < 2.10.0, and an
-    ``nn.Conv3d`` in the model."""
-    from llamafactory.extras.packages import is_torch_version_greater_than
-
-    in_range = is_torch_version_greater_than("2.9.0") and not is_torch_version_greater_than("2.10.0")
-    return in_range and any(isinstance(m, nn.Conv3d) for m in model.modules())
-
-
-def avoid_conv3d_refusal(model: Any) -> None:
-    """Where LLaMA-Factory would refuse the model (``conv3d_refused``), swap its patch-embedding
-    Conv3d for the equal matmul and say so; otherwise leave the model alone."""
-    if not conv3d_refused(model):
-        return
-    names = replace_patch_conv3d(model)
-    logger.info(
-        f"{', '.join(names)}: Conv3d (stride == kernel) computed as a matmul, same weights "
-        "(LLaMA-Factory refuses Conv3d under torch 2.9.x)"
-    )

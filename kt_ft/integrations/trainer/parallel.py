@@ -1,5 +1,5 @@
-"""Which data-parallel engine a kt-ft recipe asks for, and the ones kt-ft refuses, before any
-weight is read.
+"""Which data-parallel engine an HF Trainer run of a kt-ft model asks for, and the ones kt-ft
+refuses, before any weight is read (LLaMA-Factory's parser calls both checks).
 
 LLaMA-Factory 0.9.5 trains through the HF Trainer, whose accelerate ``Accelerator`` picks the
 engine from two places:
