@@ -43,9 +43,9 @@ def demo_assets(tmp_path_factory):
 @pytest.fixture(scope="session")
 def saved_adapter(demo_assets, tmp_path_factory):
     """(model, adapter dir, reference logits, trainable-param copies) of a random-LoRA kt model
-    of the demo, saved through LLaMA-Factory's model (see tests/kt_adapters.py)."""
+    of the demo, saved through LLaMA-Factory's model (see tests/helpers/kt_adapters.py)."""
     pytest.importorskip("llamafactory")
-    from kt_adapters import random_lora_adapter
+    from helpers.kt_adapters import random_lora_adapter
 
     out = tmp_path_factory.mktemp("adapter") / "out"
     model, ref, state = random_lora_adapter(demo_assets, out)
@@ -57,7 +57,7 @@ def one_process_run(demo_assets, tmp_path_factory):
     """The one-process run the DDP and FSDP2 tests both compare against (micro-batch 4, 4 steps,
     a checkpoint at step 2, gradients clipped at 0.5): trained once a session, not once a module."""
     pytest.importorskip("llamafactory")
-    from lf_runs import SharedRun
+    from helpers.lf_runs import SharedRun
 
     out = tmp_path_factory.mktemp("one_process") / "one"
     return SharedRun(

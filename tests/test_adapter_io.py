@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from kt_adapters import lf_load, logits
+from helpers.kt_adapters import lf_load, logits
 
 from kt_ft.base.errors import KTConfigError
 from kt_ft.base.settings import changed

@@ -85,7 +85,7 @@ def test_the_fixed_order_where_nothing_is_measured(cache, monkeypatch, case):
 def test_replaced_experts_run_the_measured_choice(cache, monkeypatch, tmp_path):
     """Through ``replace_routed_experts`` on a bf16 model with backend auto: every layer runs the
     backend the (faked) timing put first, the summary says so, and a forward + backward runs."""
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     from kt_ft.plan.families import FAMILIES
     from kt_ft.plan.loader import load_rules

@@ -18,10 +18,10 @@ import logging
 
 import pytest
 import torch
+from helpers.parity import ATTN
+from helpers.resident import batches, call_spy, first_grads, kt_layers, train
+from helpers.tiny_models import tiny_model
 from peft import LoraConfig, get_peft_model
-from test_parity import ATTN
-from test_resident import _first_grads, batches, call_spy, kt_layers, train
-from tiny_models import tiny_model
 from transformers import CONFIG_MAPPING
 
 from kt_ft.plan.builtin import resolve_rule_path
@@ -116,7 +116,7 @@ def test_first_step_gradients_match(family, gc, monkeypatch):
     LoRA must still get one) within 2e-6 of its largest entry (seen 3.7e-7; 0 for DeepSeek)."""
     grads = []
     for overlap in (False, True):
-        grads.append(_first_grads(build(family, overlap, monkeypatch), gc))
+        grads.append(first_grads(build(family, overlap, monkeypatch), gc))
     ref, got = grads
     assert ref.keys() == got.keys()
     missing = [n for n, g in got.items() if g is None and ref[n] is not None]

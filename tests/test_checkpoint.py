@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.tiny_models import tiny_model
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny_model
 
 from kt_ft.base.errors import KTConfigError
 from kt_ft.formats.expert_lora import FUSED_FILE, MASTER_FILE

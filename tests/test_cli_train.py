@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.families import moe_layers
 from safetensors import safe_open
-from test_families import moe_layers
 from transformers import AutoConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -158,7 +158,7 @@ def test_gpu_placements_train_like_the_cpu_through_llamafactory(demo_assets, tmp
     AdamW, which leaves version counters alone: a LoRA cache keyed on them alone kept step 1's LoRA
     and parted the losses from step 2 on by ~1e-3). fp32, lr 1e-2 so the LoRA moves; losses of 4
     steps and the adapters within lf_runs' bounds."""
-    from lf_runs import assert_close_runs
+    from helpers.lf_runs import assert_close_runs
 
     runs = {}
     # one run holds every cache: a resident expert (bf16 cast), streamed ones (their rows) and CPU

@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
+from helpers.parity import ATTN, PlainLoRAExperts, expert_lora, train
+from helpers.tiny_models import tiny_model
 from peft import LoraConfig, get_peft_model
-from test_parity import ATTN, PlainLoRAExperts, expert_lora, train
-from tiny_models import tiny_model
 
 import kt_ft
 from kt_ft.base.errors import KTConfigError
@@ -20,7 +20,7 @@ from kt_ft.plan.family import unwrap_peft
 
 def _plain_twin(model, ref, run) -> None:
     """Give the expert LoRA of ``run`` (kt-ft's, on ``model``) non-zero B, so the expert-LoRA path
-    counts from the first step, and put the same LoRA, computed by test_parity's plain loop, in
+    counts from the first step, and put the same LoRA, computed by helpers.parity's plain loop, in
     the experts of ``ref`` (a copy of ``model`` made before ``kt_ft.apply``)."""
     with torch.no_grad():
         for n, p in run.expert_lora():

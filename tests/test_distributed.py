@@ -24,7 +24,7 @@ import json
 
 import pytest
 import torch
-from lf_runs import assert_close_runs, failure_text, finish, start_train, torchrun_env
+from helpers.lf_runs import assert_close_runs, failure_text, finish, start_train, torchrun_env
 
 from kt_ft.base.processes import Topology, threads_per_rank
 from kt_ft.runtime.shared_weights import ALIGN, layout

@@ -22,9 +22,9 @@ import torch
 
 pytest.importorskip("llamafactory")
 
-from kt_adapters import lf_load  # noqa: E402
-from lf_api import MISSING_API, http_json, start_api, stop_api, stream_text  # noqa: E402
-from lf_runs import failure_text, finish, start_train  # noqa: E402
+from helpers.kt_adapters import lf_load  # noqa: E402
+from helpers.lf_api import MISSING_API, http_json, start_api, stop_api, stream_text  # noqa: E402
+from helpers.lf_runs import failure_text, finish, start_train  # noqa: E402
 
 from kt_ft.backends.registry import BACKENDS  # noqa: E402
 from kt_ft.integrations.export.merge import merge_adapter  # noqa: E402

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from kt_adapters import TOKENS
+from helpers.kt_adapters import TOKENS
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM

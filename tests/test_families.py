@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import build_pair, expert_lora
-from tiny_models import tiny_model
+from helpers.families import moe_layers
+from helpers.parity import build_pair, expert_lora
+from helpers.tiny_models import tiny_model
 from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -35,18 +36,6 @@ CASES = [(f, {}) for f in FAMILIES] + [
 def _skip_if_missing(family: str) -> None:
     if FAMILIES[family].demo_type not in CONFIG_MAPPING:
         pytest.skip(f"{family}: model type {FAMILIES[family].demo_type!r} is not in this transformers")
-
-
-def moe_layers(config) -> list[int]:
-    """Decoder layers with routed experts, from the config alone (dense layers excluded)."""
-    first_dense = getattr(config, "first_k_dense_replace", 0) or 0
-    dense = set(getattr(config, "mlp_only_layers", None) or [])
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    return [
-        i
-        for i in range(config.num_hidden_layers)
-        if i >= first_dense and i not in dense and (i + 1) % step == 0
-    ]
 
 
 def lora_targets(model) -> list[str]:

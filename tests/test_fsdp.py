@@ -27,7 +27,7 @@ import os
 
 import pytest
 import torch
-from lf_runs import RECIPE, REPO, assert_close_runs, failure_text, finish, start_train, torchrun_env
+from helpers.lf_runs import RECIPE, REPO, assert_close_runs, failure_text, finish, start_train, torchrun_env
 
 from kt_ft.base.errors import KTConfigError
 
@@ -55,7 +55,7 @@ def fsdp_env(procs: int) -> dict[str, str]:
 
 
 def _args(demo_assets, tmp_path, **keys):
-    from test_llamafactory import recipe
+    from helpers.lf_recipe import recipe
 
     return recipe(demo_assets, tmp_path, **keys)
 

@@ -1,6 +1,6 @@
 """The three non-expert fusions (LoRA linears, RMSNorm, rotary) on a tiny model of every family.
 
-Each family's tiny model (tests/tiny_models.py) under PEFT LoRA on every linear layer, against its
+Each family's tiny model (tests/helpers/tiny_models.py) under PEFT LoRA on every linear layer, against its
 copy with the fusions a kt-ft run installs: the loss and every gradient of one forward + backward
 (fp32: 1e-5 and 1e-4 relative), so a family whose norm or rotary code differs from the form the
 replacements assume fails here (their install checks must have kept its own). Seed printed.
@@ -10,8 +10,8 @@ import copy
 
 import pytest
 import torch
-from compare import assert_trains_alike
-from compare import fresh_seed as _seed
+from helpers.compare import assert_trains_alike
+from helpers.compare import fresh_seed as _seed
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -24,7 +24,7 @@ from kt_ft.plan.families import FAMILIES  # noqa: E402
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_fusions_train_every_family_like_transformers_and_peft(family):
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     gen = torch.Generator().manual_seed(_seed())
     base = tiny_model(family, seed=int(torch.randint(0, 2**31 - 1, (), generator=gen)))

@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 import torch
+from helpers.tiny_models import tiny_model
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny_model
 from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -154,7 +154,7 @@ def test_layout_check_runs_transformers_gate():
 @pytest.fixture(scope="module")
 def gpt_oss_adapter(tmp_path_factory):
     pytest.importorskip("llamafactory")
-    from kt_adapters import random_lora_adapter
+    from helpers.kt_adapters import random_lora_adapter
 
     from kt_ft.integrations.demo.text import make_demo_model
 
@@ -166,7 +166,7 @@ def gpt_oss_adapter(tmp_path_factory):
 
 def test_adapter_round_trip(gpt_oss_adapter):
     """Saved (both files, manifest) and reloaded for inference by LLaMA-Factory: same logits."""
-    from kt_adapters import lf_load, logits
+    from helpers.kt_adapters import lf_load, logits
 
     assets, out, model, ref = gpt_oss_adapter
     fused = load_file(str(out / "fused_expert_lora.safetensors"))
@@ -187,7 +187,7 @@ def test_merge_folds_lora_into_gpt_oss_layout(gpt_oss_adapter, tmp_path):
     assert main(["merge", str(out), str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
     with torch.no_grad():
-        from kt_adapters import TOKENS
+        from helpers.kt_adapters import TOKENS
 
         got = merged(input_ids=TOKENS).logits.float()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -266,7 +266,7 @@ class PerExpertGptOss(nn.ModuleList):
 def test_convert_gives_the_adapters_logits_on_a_per_expert_gpt_oss(gpt_oss_adapter, tmp_path):
     """`kt-ft convert` (per-expert gate/up/down_proj LoRA, A [r, in], B [out, r]) loaded by PEFT on a
     per-expert gpt_oss model (biases, clamped swish): the adapter's logits, fp32 rtol/atol 1e-5."""
-    from kt_adapters import TOKENS
+    from helpers.kt_adapters import TOKENS
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parity import build_pair, expert_lora, train
+from helpers.parity import build_pair, expert_lora, train
 
 from kt_ft.runtime.experts import KTExperts
 

@@ -7,7 +7,7 @@ varied lengths (padded to their token-count bucket; buckets past ``MAX_BUCKETS``
 too: the buckets, and that padding rows change no result of the fused forward and backward.
 
 Both runs take the same kernels in the same order (the padded ones more rows of zeros). Bounds: losses rel 1e-3 per step, expert
-LoRA after the steps abs 2e-3 (bf16 model, fp32 LoRA, AdamW eps 1e-3: ``test_resident.adamw``).
+LoRA after the steps abs 2e-3 (bf16 model, fp32 LoRA, AdamW eps 1e-3: ``helpers.resident.adamw``).
 The CUDA cases run on the GPU machine (sm90+: where every product is one grouped product); the CPU
 checks run everywhere.
 """
@@ -18,10 +18,10 @@ import re
 
 import pytest
 import torch
-from test_parity import ATTN, expert_lora
-from test_resident import kt_layers
-from test_resident import train as train_on
-from tiny_models import tiny_model
+from helpers.parity import ATTN, expert_lora
+from helpers.resident import kt_layers
+from helpers.resident import train as train_on
+from helpers.tiny_models import tiny_model
 
 from kt_ft.plan.families import FAMILIES
 from kt_ft.plan.loader import load_rules
@@ -56,7 +56,7 @@ def build(rule_path, seed=0):
 
 
 def train(model, batches, steps, checkpointing):
-    """``test_resident.train`` on CUDA; ``checkpointing``: None (off) or use_reentrant."""
+    """``helpers.resident.train`` on CUDA; ``checkpointing``: None (off) or use_reentrant."""
     return train_on(model, batches, steps, checkpointing is not None, "cuda", bool(checkpointing))
 
 
@@ -208,7 +208,7 @@ def test_padding_rows_change_no_result(variant):
     the CPU in float32, fresh random routing and weights (gpt_oss: biased, clamped experts, so a
     padding row's expert output is not zero). Bound: 1e-5 of each tensor's largest entry (only the
     order of float sums differs)."""
-    from moe_inputs import routed_problem
+    from helpers.moe_inputs import routed_problem
 
     from kt_ft.backends.grouped_device import fused_backward, fused_forward, stack_lora
     from kt_ft.backends.grouped_products import Groups
@@ -281,7 +281,7 @@ def test_saved_tensor_hooks_seen_as_checkpointing_sets_them():
 
 def test_layers_on_the_cpu_device_run_eagerly(tmp_path, monkeypatch):
     """Where the "GPU" is the CPU (no CUDA), the graphs stand aside: no capture, no replay."""
-    from test_resident import build as build_fp32
+    from helpers.resident import build as build_fp32
 
     monkeypatch.setenv("KT_FT_CUDA_GRAPHS", "1")
 
@@ -303,7 +303,7 @@ def test_a_graphed_layer_writes_the_wide_lora_blocks_once_per_change(monkeypatch
     buffers (zero LoRA blocks) writes again -- always the parameters' current values."""
     from types import SimpleNamespace
 
-    from moe_inputs import make_problem
+    from helpers.moe_inputs import make_problem
 
     from kt_ft.backends import grouped_device as gd
     from kt_ft.backends.base import lora_changed

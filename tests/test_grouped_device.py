@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_inputs import GPT_OSS_SPEC, make_problem, routed_problem
+from helpers.moe_inputs import GPT_OSS_SPEC, make_problem, routed_problem
 
 from kt_ft.backends import grouped_device as gd
 from kt_ft.backends import grouped_products as gp

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_inputs import make_problem
-from test_kernels import assert_close, run_backend
-from test_resident import GPU_RULE, build, kt_layers
+from helpers.kernels import assert_close, run_backend
+from helpers.moe_inputs import make_problem
+from helpers.resident import GPU_RULE, build, kt_layers
 
 from kt_ft.backends.base import ExpertWeights, LoraTensors
 from kt_ft.backends.grouped import GroupedTorchBackend

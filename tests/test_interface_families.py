@@ -145,7 +145,7 @@ def test_types_found():
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_derived_spec_equals_hand_family_spec(family):
     """For every hand-written family the spec read off the module is the one the table says."""
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     model = tiny_model(family)
     for name, module in find_routed_experts(model, FAMILIES[family]):

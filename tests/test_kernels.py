@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_inputs import GPT_OSS_SPEC, make_problem
+from helpers.kernels import CASES, assert_close, run_backend
+from helpers.moe_inputs import GPT_OSS_SPEC, make_problem
 
 from kt_ft.backends.base import ExpertSpec, ExpertWeights, LoraTensors
 from kt_ft.backends.reference import reference_moe
@@ -22,44 +23,6 @@ from kt_ft.runtime.function import CPUExpertsFunction, ExpertRunner
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
 # Portable fast backends; kt-kernel (bf16 only, AMX tile shapes) has its own test file.
 FAST = ["torch", "torch-ep"]
-
-
-def run_backend(name, base, lora, x, ids, w, gy, scaling):
-    be = BACKENDS[name]()
-    be.prepare(base)
-    out, ctx = be.forward(x, ids, w, base, lora, scaling, True)
-    gx, gw, gl = be.backward(ctx, gy)
-    return {"out": out, "grad_x": gx, "grad_weights": gw, **{f"grad_{k}": v for k, v in gl._asdict().items()}}
-
-
-def assert_close(ref: dict, got: dict, tol: float, overrides: dict[str, float] | None = None):
-    assert ref.keys() == got.keys()
-    for key in ref:
-        tol_key = (overrides or {}).get(key, tol)
-        a, b = ref[key].double(), got[key].double()
-        assert a.shape == b.shape, key
-        scale = a.abs().max().clamp_min(1e-12)
-        err = ((a - b).abs().max() / scale).item()
-        assert err <= tol_key, f"{key}: relative error {err:.3e} > {tol_key:.0e}"
-
-
-CASES = {
-    "random": dict(T=53, E=8, k=2, ids=None),
-    "expert_without_tokens": dict(T=5, E=16, k=2, ids=None),  # 10 pairs over 16 experts
-    "all_tokens_one_expert": dict(T=17, E=6, k=1, ids=torch.zeros(17, 1, dtype=torch.long)),
-    "one_expert_shared_by_all": dict(
-        T=9, E=6, k=3, ids=torch.stack([torch.tensor([0, 2 + i % 4, 1]) for i in range(9)])
-    ),
-    "single_token": dict(T=1, E=4, k=2, ids=None),
-    "top_k_equals_E": dict(T=11, E=4, k=4, ids=None),
-    # padded row counts 48 / 32 / 16 / 0: the torch backend's LoRA products run as three groups
-    "skewed": dict(
-        T=40,
-        E=5,
-        k=2,
-        ids=torch.tensor([[0, 1 + (i % 3 == 0)] if i < 34 else [3, 2] for i in range(40)]),
-    ),
-}
 
 
 @pytest.mark.parametrize("backend", FAST)

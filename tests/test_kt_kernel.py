@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_inputs import make_problem
-from test_kernels import assert_close, run_backend
+from helpers.kernels import assert_close, run_backend
+from helpers.moe_inputs import make_problem
 
 from kt_ft.backends.base import ExpertWeights, LoraTensors
 from kt_ft.backends.kt_kernel import chain_backward_order

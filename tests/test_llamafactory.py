@@ -8,32 +8,12 @@ import sys
 
 import pytest
 import torch
+from helpers.lf_recipe import recipe
 
 from kt_ft.base.errors import KTConfigError
 from kt_ft.runtime.experts import KTExperts
 
 pytest.importorskip("llamafactory")
-
-
-def recipe(demo_assets, tmp_path, **overrides):
-    args = dict(
-        model_name_or_path=str(demo_assets / "model"),
-        stage="sft",
-        do_train=True,
-        finetuning_type="lora",
-        lora_target="all",
-        lora_rank=8,
-        dataset_dir=str(demo_assets / "data"),
-        dataset="kt_demo",
-        template="qwen",
-        cutoff_len=64,
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        use_kt=True,
-        cpu_infer=1,
-    )
-    args.update(overrides)
-    return args
 
 
 def test_hook_is_installed_without_importing_torch():

@@ -11,8 +11,9 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.lm_loss import apply_both
+from helpers.tiny_models import tiny_model
 from peft import LoraConfig, get_peft_model
-from tiny_models import tiny_model
 
 import kt_ft
 from kt_ft.backends import lm_loss
@@ -61,21 +62,6 @@ def _pair(family="qwen3_moe", **overrides):
     cfg = dict(rule=f"{family}-torch" if family == "qwen3_moe" else None, rank=4, alpha=8, threads=1, seed=1)
     apply_both(base, twin, kt_ft.KTConfig(**cfg))
     return base, twin
-
-
-def apply_both(base, twin, config) -> None:
-    """``kt_ft.apply`` on ``base`` (the chunked loss) and on its copy ``twin`` with
-    KT_FT_CHUNKED_LOSS=0 (the model's own loss); checks which got which."""
-    import os
-
-    kt_ft.apply(base, config)
-    os.environ["KT_FT_CHUNKED_LOSS"] = "0"
-    try:
-        kt_ft.apply(twin, config)
-    finally:
-        del os.environ["KT_FT_CHUNKED_LOSS"]
-    assert getattr(lm_loss.causal_lm_module(base), "_kt_ft_chunked_loss", False)
-    assert not getattr(lm_loss.causal_lm_module(twin), "_kt_ft_chunked_loss", False)
 
 
 def _loss_and_grads(model, ids, labels, **kw):

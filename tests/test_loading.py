@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from helpers.tiny_models import tiny_model
 
 from kt_ft.plan.builtin import resolve_rule_path
 from kt_ft.plan.families import FAMILIES

@@ -10,9 +10,9 @@ import copy
 
 import pytest
 import torch
-from compare import assert_close as _close
-from compare import assert_trains_alike
-from compare import fresh_seed as _seed
+from helpers.compare import assert_close as _close
+from helpers.compare import assert_trains_alike
+from helpers.compare import fresh_seed as _seed
 
 peft = pytest.importorskip("peft")
 
@@ -114,7 +114,7 @@ def test_calls_fused_lora_cannot_take_go_through_peft(monkeypatch):
 def test_fused_lora_trains_a_tiny_moe_like_peft():
     """A whole tiny Qwen3-MoE under PEFT (every linear), loss and every LoRA gradient."""
     pytest.importorskip("transformers")
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     gen = torch.Generator().manual_seed(_seed())
     base = tiny_model("qwen3_moe", seed=int(torch.randint(0, 2**31 - 1, (), generator=gen)))

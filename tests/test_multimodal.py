@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("llamafactory")
 
-from vl_runs import train  # noqa: E402
+from helpers.vl_runs import train  # noqa: E402
 
 from kt_ft.integrations.demo.vision import VL_DEMOS, make_demo_vl_model  # noqa: E402
 from kt_ft.integrations.llamafactory.patch_embed import (  # noqa: E402
@@ -490,8 +490,8 @@ def test_chunked_loss_of_a_vision_language_model_with_its_aux_loss(vl_assets):
     own forward (fp32: rel 1e-5, 1e-5 of the largest gradient), text-only input."""
     import copy
 
+    from helpers.lm_loss import apply_both
     from peft import LoraConfig, get_peft_model
-    from test_lm_loss import apply_both
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     import kt_ft

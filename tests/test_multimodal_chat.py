@@ -27,9 +27,9 @@ import torch
 
 pytest.importorskip("llamafactory")
 
-from lf_api import MISSING_API, http_json, start_api, stop_api, stream_text  # noqa: E402
-from lf_runs import CLI, REPO  # noqa: E402
-from vl_runs import train  # noqa: E402
+from helpers.lf_api import MISSING_API, http_json, start_api, stop_api, stream_text  # noqa: E402
+from helpers.lf_runs import CLI, REPO  # noqa: E402
+from helpers.vl_runs import train  # noqa: E402
 
 from kt_ft.base.errors import KTConfigError  # noqa: E402
 from kt_ft.integrations.demo.vision import make_demo_vl_model  # noqa: E402

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.tiny_models import tiny_model
 from safetensors import safe_open
-from tiny_models import tiny_model
 
 from kt_ft.backends import quant_reference as R
 from kt_ft.backends.quant import FORMATS
@@ -379,7 +379,7 @@ def test_manifest_records_mxfp4_and_merge_refuses_it(tmp_path, capsys):
     ``experts.base_format: mxfp4``, merge onto it is refused with the reason and the options, and
     merge onto its ``kt-ft dequantize`` copy works."""
     pytest.importorskip("llamafactory")
-    from test_quant import assert_quantized_adapter_round_trip
+    from helpers.quant import assert_quantized_adapter_round_trip
 
     from kt_ft.integrations.demo.text import make_demo_model
 
@@ -440,7 +440,7 @@ def test_loading_mxfp4_peaks_below_the_bf16_experts(tmp_path):
     bf16, 25.5 MiB stored) in a fresh process: the experts are QuantizedExperts, and the peak RSS
     growth stays below the experts' bf16 size and within 1.1 x their stored bytes + the rest +
     48 MiB (the bound tests/test_quant.py holds fp8 to)."""
-    from test_quant import assert_quantized_load_peak
+    from helpers.quant import assert_quantized_load_peak
 
     assert_quantized_load_peak(
         tmp_path, "mxfp4", "gpt_oss", hidden_size=512, intermediate_size=512, num_local_experts=32
@@ -456,7 +456,7 @@ def test_lr0_losses_through_llamafactory_cli_match_the_dequantized_copy(tmp_path
     gpt_oss here (LLaMA-Factory 0.9.5's gpt-oss attention set-up needs a transformers function 5.6
     does not have; kt-ft works around it only with use_kt)."""
     pytest.importorskip("llamafactory")
-    from lf_runs import LOSS_RTOL, finish, start_train, step_losses
+    from helpers.lf_runs import LOSS_RTOL, finish, start_train, step_losses
 
     from kt_ft.integrations.demo.text import make_demo_model
 

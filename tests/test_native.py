@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_inputs import make_problem
-from test_kernels import CASES, assert_close, run_backend
+from helpers.kernels import CASES, assert_close, run_backend
+from helpers.moe_inputs import make_problem
 
 from kt_ft.backends import native as nt
 from kt_ft.backends import native_build
@@ -43,7 +43,7 @@ U_BF16 = 2.0**-8  # bf16's unit roundoff (8 significant bits, round to nearest e
 # for these unit-variance problems (K <= 64) sum|a w| is at most ~2x the product's largest
 # |entry|, and an output goes through up to 3 such products (gate_up, down; backward: the
 # forward's h, then two more): 8 * U_BF16 ~ 3e-2 of the largest entry (measured worst 1.4e-3
-# over 4 seeds of test_kernels.CASES on amx and avx512bf16).
+# over 4 seeds of helpers.kernels.CASES on amx and avx512bf16).
 BF16_OP_TOL = 8 * U_BF16
 PATHS = ["scalar", "avx2", "avx512", "avx512bf16", "amx"]  # slowest first, KT_FT_NATIVE_ISA's choices
 
@@ -302,7 +302,7 @@ def test_native_backend_per_path_and_masked_pairs(isa, monkeypatch, rng):
 def test_native_backend_availability_and_auto():
     """bf16 plain experts only; other layouts and dtypes are refused with the reason; ``auto``
     takes it on CPUs without native bf16 for bf16 weights, else passes it over (saying why)."""
-    from moe_inputs import GPT_OSS_SPEC
+    from helpers.moe_inputs import GPT_OSS_SPEC
 
     from kt_ft.backends.native_backend import cpu_has_native_bf16
 

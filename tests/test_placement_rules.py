@@ -1,6 +1,6 @@
 """`placement: auto` in the rule language, `kt-ft rules plan` with it, and the rates cache.
 
-Tiny Qwen3-MoE (tests/tiny_models.py): H 64, 8 experts of I 32, top-2, 2 MoE layers, fp32 weights
+Tiny Qwen3-MoE (tests/helpers/tiny_models.py): H 64, 8 experts of I 32, top-2, 2 MoE layers, fp32 weights
 (an expert: 3·64·32·4 = 24,576 bytes). The plan reads config.json and the safetensors header only.
 """
 
@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from helpers.tiny_models import tiny_model
 
 from kt_ft.backends.grouped_wide import wide_extra_bytes
 from kt_ft.base.errors import KTConfigError

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from test_resident import ALPHA, RANK, _train_keep, batches, build, kt_layers, train
+from helpers.resident import ALPHA, RANK, batches, build, kt_layers, train, train_keep
 
 from kt_ft.plan.cost import LayerShape, Rates
 from kt_ft.plan.loader import load_rules
@@ -30,12 +30,12 @@ FAST_GPU = Rates(cpu_flops=1e9, link_bytes_s=1e12, gpu_flops=1e13)
 
 
 def auto_model(tmp_path, n_resident, rates=FAST_GPU, **model_kw):
-    """The tiny model of test_resident.build (same seeds, so the same weights and LoRA init) under
+    """The tiny model of helpers.resident.build (same seeds, so the same weights and LoRA init) under
     the auto rule, with a GPU cap that leaves room for ``n_resident`` experts (``model_kw``:
     config overrides, as ``build``'s)."""
+    from helpers.parity import ATTN
+    from helpers.tiny_models import tiny_model
     from peft import LoraConfig, get_peft_model
-    from test_parity import ATTN
-    from tiny_models import tiny_model
 
     from kt_ft.plan.families import FAMILIES
     from kt_ft.runtime.patch import replace_routed_experts
@@ -93,14 +93,14 @@ def test_routing_counts_and_replan_keep_training_exact(tmp_path):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
     opt_state: dict = {}
-    losses = _train_keep(model, data, 0, 2, opt_state)
+    losses = train_keep(model, data, 0, 2, opt_state)
     counts = rp.take_counts()
     # 2 steps x 24 tokens x top-2, counted by the first pass and the recompute: 192 a layer
     assert sorted(counts) == [0, 1] and all(sum(c) == 2 * 24 * 2 * 2 for c in counts.values())
     # layer 1 now routes mostly to experts 6 and 4: they become the resident ones
     assert rp.replan({0: [1.0] * 8, 1: [0, 0, 0, 0, 50, 0, 90, 1]})
     assert [kt.resident.ids if kt.resident else () for kt in kt_layers(model)] == [(0,), (4, 6)]
-    losses += _train_keep(model, data, 2, 4, opt_state)
+    losses += train_keep(model, data, 2, 4, opt_state)
     assert losses == pytest.approx(ref, rel=1e-5)
 
 
@@ -147,7 +147,7 @@ def test_prediction_sees_the_streamed_experts_the_run_streams(tmp_path, stream, 
     """``predict_plan`` (the bench's predicted step, ``kt-ft rules plan``) takes the same streamed ids
     as the run (``moe/patch.py``): ``stream: all`` is every non-resident expert (it once counted none,
     predicting the all-CPU step)."""
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     from kt_ft.plan.auto import current_splits
     from kt_ft.plan.families import FAMILIES
@@ -247,7 +247,7 @@ def test_trial_measures_the_gpu_only_split_and_keeps_the_faster(tmp_path, monkey
     opt_state: dict = {}
     losses, seen, changes = [], [], []
     for step in range(1, n_steps + 1):
-        losses += _train_keep(model, data, step - 1, step, opt_state)
+        losses += train_keep(model, data, step - 1, step, opt_state)
         now = split()
         seen.append(now)
         gpu_only = now != ours
@@ -292,7 +292,7 @@ def test_auto_at_start_under_a_gpu_cap_plans_with_the_measured_runtime(tmp_path,
     experts is the cap less the rest of the estimate, whose runtime part is the context the driver
     shows now + room for later kernels + the allocator's fragmentation slack; the allocator is held
     to the cap less the first two, and expandable segments are asked for."""
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     from kt_ft.plan.families import FAMILIES
     from kt_ft.plan.report import CUDA_GROWTH_BYTES
@@ -368,7 +368,7 @@ def test_non_expert_measurement_skips_the_routed_experts_and_leaves_the_run_as_i
     zeros (the CPU op not called), timed; afterwards the gradients, the RNG, train mode and the
     experts are as before. Its loss equals a reference: the same model with the experts module's
     output replaced by zeros through a forward hook (an independent route to the same thing)."""
-    from test_resident import build
+    from helpers.resident import build
 
     from kt_ft.runtime.non_expert import measure_non_expert, routed_experts_skipped
 

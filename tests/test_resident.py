@@ -5,7 +5,7 @@ runs exactly as on a GPU machine (tests/test_gpu.py's twin below runs it on CUDA
 Tolerances (fp32), against the all-CPU placement (the same pairs summed in another order):
 first-step gradients of every trainable tensor 2e-6 relative to its largest entry (measured
 5e-7), losses rel 1e-5 per step, expert-LoRA tensors after 4 AdamW steps abs 1e-4 (AdamW's eps
-raised to 1e-3: ``adamw`` says why); kernels with masked pairs vs the
+raised to 1e-3: ``helpers.resident.adamw`` says why); kernels with masked pairs vs the
 reference with those pairs' weights zeroed: 2e-5 relative to the largest entry (tests/test_kernels.py's
 fp32 bound).
 """
@@ -14,9 +14,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_inputs import GPT_OSS_SPEC, make_problem
-from test_parity import ATTN, expert_lora
-from tiny_models import tiny_model
+from helpers.moe_inputs import GPT_OSS_SPEC, make_problem
+from helpers.parity import expert_lora
+from helpers.resident import (
+    GPU_RULE,
+    RANK,
+    batches,
+    build,
+    call_spy,
+    first_grads,
+    kt_layers,
+    train,
+    train_keep,
+)
+from helpers.tiny_models import tiny_model
 
 from kt_ft.backends.base import ExpertWeights, LoraTensors
 from kt_ft.backends.reference import ReferenceBackend
@@ -24,114 +35,7 @@ from kt_ft.backends.registry import BACKENDS
 from kt_ft.plan.builtin import resolve_rule_path
 from kt_ft.plan.families import FAMILIES
 from kt_ft.plan.homes import pick_resident_ids
-from kt_ft.plan.loader import load_rules
-from kt_ft.plan.placement import make_plan
 from kt_ft.runtime.experts import KTExperts
-from kt_ft.runtime.patch import replace_routed_experts
-
-RANK, ALPHA = 4, 8
-# 3 of the 8 experts resident on every layer, explicit ids [1, 6] on layer 1
-GPU_RULE = (
-    "- match: {class: Qwen3MoeExperts}\n"
-    "  replace:\n"
-    "    device: cpu\n"
-    "    backend: torch\n"
-    "    gpu_experts: [{layers: 1, ids: [1, 6]}, {count: 3}]\n"
-    "- default: {device: cuda}\n"
-)
-
-
-def build(rule_path, family="qwen3_moe", backend="torch", chunk_size=4096, seed=0, **model_kw):
-    """A tiny PEFT model (LoRA on attention) with its routed experts replaced under ``rule_path``;
-    the same seed gives the same base weights and LoRA init whatever the rule. ``model_kw``: config
-    overrides (e.g. num_hidden_layers)."""
-    from peft import LoraConfig, get_peft_model
-
-    fam = FAMILIES[family]
-    model = get_peft_model(
-        tiny_model(family, seed=seed, **model_kw),
-        LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTN, lora_dropout=0.0),
-    )
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed + 7)
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    plan = make_plan(model, load_rules(rule_path), fam, backend, 2)
-    replace_routed_experts(model, plan, RANK, ALPHA / RANK, chunk_size, seed=seed + 1)
-    with torch.no_grad():  # non-zero B: the expert LoRA contributes (and trains A) from step 0
-        gen = torch.Generator().manual_seed(seed + 9)
-        for m in model.modules():
-            if isinstance(m, KTExperts):
-                for n in ("gate_b", "up_b", "down_b"):
-                    getattr(m, n).copy_(torch.randn(getattr(m, n).shape, generator=gen) * 0.05)
-    return model
-
-
-def adamw(model):
-    """AdamW with eps 1e-3: with the default 1e-8, m/(sqrt(v)+eps) turns a 1e-7 difference in a
-    near-zero gradient entry (two summation orders, or another CPU's thread count) into an update
-    difference of up to lr; an eps above such entries damps them, while entries with real gradients
-    (1e-3 and up) still take AdamW-sized steps. The 16-thread GPU machine's CPU went past the 1e-4
-    bound with the default eps. Fused: transformers' default optimizer (``adamw_torch_fused``), which
-    updates the parameters without bumping their version counters -- a cache of the LoRA keyed on
-    them alone (a bf16 cast, a device copy, a host mirror) went stale after step 1 and these tests,
-    then on the per-tensor AdamW, did not see it."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3, fused=True)
-
-
-def train(model, batches, steps, gc, device="cpu", reentrant=True):
-    if gc:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        model.enable_input_require_grads()
-    model.train()
-    opt = adamw(model)
-    losses = []
-    for step in range(steps):
-        ids = batches[step % len(batches)].to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _first_grads(model, gc) -> dict[str, torch.Tensor]:
-    """Gradients of every trainable tensor after one forward/backward on the first batch (None for
-    one that got none)."""
-    if gc:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-        model.enable_input_require_grads()
-    model.train()
-    ids = batches()[0]
-    model(input_ids=ids, labels=ids).loss.backward()
-    return {
-        # on the CPU: with a GPU present the rule's ``default: {device: cuda}`` homes the expert LoRA there
-        n: None if p.grad is None else p.grad.cpu().clone()
-        for n, p in model.named_parameters()
-        if p.requires_grad
-    }
-
-
-def call_spy(monkeypatch, calls: list[str]):
-    """``spy(obj, name, tag)``: from now on each call of ``obj.name`` appends ``tag`` to ``calls``."""
-
-    def spy(obj, name, tag):
-        orig = getattr(obj, name)
-
-        def wrapped(*a, **k):
-            calls.append(tag)
-            return orig(*a, **k)
-
-        monkeypatch.setattr(obj, name, wrapped)
-
-    return spy
-
-
-def kt_layers(model) -> list[KTExperts]:
-    return [m for m in model.modules() if isinstance(m, KTExperts)]
 
 
 @pytest.fixture()
@@ -151,11 +55,6 @@ def cpu_home_rule(tmp_path):
     return p
 
 
-def batches():
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(1, 97, (2, 12), generator=gen) for _ in range(3)]
-
-
 @pytest.mark.parametrize("gc", [False, True])
 def test_resident_experts_train_like_all_cpu(cpu_home_rule, gc):
     cpu_model = build(resolve_rule_path("qwen3_moe-torch"))
@@ -165,7 +64,7 @@ def test_resident_experts_train_like_all_cpu(cpu_home_rule, gc):
     sd_names = set(res_model.state_dict())
     assert sd_names == set(cpu_model.state_dict())  # no new parameters or buffers
 
-    first = [_first_grads(m, gc) for m in (cpu_model, res_model)]
+    first = [first_grads(m, gc) for m in (cpu_model, res_model)]
     assert first[0].keys() == first[1].keys() and any("experts.up_a" in n for n in first[0])
     for n, g in first[0].items():
         torch.testing.assert_close(
@@ -410,32 +309,15 @@ def test_resume_under_another_placement(gpu_rule):
     ref = train(build(resolve_rule_path("qwen3_moe-torch")), batches(), 4, False)
     first = build(gpu_rule)
     opt_state = {}
-    losses = _train_keep(first, batches(), 0, 2, opt_state)
+    losses = train_keep(first, batches(), 0, 2, opt_state)
     second = build(resolve_rule_path("qwen3_moe-torch"))
     second.load_state_dict(first.state_dict())
     with torch.no_grad():
         for a, b in zip(kt_layers(first), kt_layers(second)):
             for x, y in zip(a.lora_tensors(), b.lora_tensors()):
                 y.copy_(x)
-    losses += _train_keep(second, batches(), 2, 4, opt_state)
+    losses += train_keep(second, batches(), 2, 4, opt_state)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
-
-
-def _train_keep(model, data, start, stop, opt_state):
-    model.train()
-    opt = adamw(model)
-    if opt_state:
-        opt.load_state_dict(opt_state["s"])
-    losses = []
-    for step in range(start, stop):
-        ids = data[step % len(data)]
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    opt_state["s"] = opt.state_dict()
-    return losses
 
 
 def test_resident_weights_are_plain_attributes(gpu_rule):

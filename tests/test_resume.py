@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from lf_runs import MANIFEST, adapter_tensors, finish, kill_when_complete, start_train, step_losses
+from helpers.lf_runs import MANIFEST, adapter_tensors, finish, kill_when_complete, start_train, step_losses
 
 pytest.importorskip("llamafactory")
 pytestmark = pytest.mark.lf_subprocess

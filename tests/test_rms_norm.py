@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
-from compare import assert_close as _close
-from compare import assert_trains_alike
-from compare import fresh_seed as _seed
+from helpers.compare import assert_close as _close
+from helpers.compare import assert_trains_alike
+from helpers.compare import fresh_seed as _seed
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +19,7 @@ from kt_ft.backends.rms_norm import install_fused_rms_norm  # noqa: E402
 
 
 def _tiny_qwen3_moe(seed: int = 0):
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     return tiny_model("qwen3_moe", seed=seed)  # 2 layers, head_dim 16
 

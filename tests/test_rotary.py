@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
-from compare import assert_close as _close
-from compare import assert_trains_alike
-from compare import fresh_seed as _seed
+from helpers.compare import assert_close as _close
+from helpers.compare import assert_trains_alike
+from helpers.compare import fresh_seed as _seed
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +19,7 @@ from kt_ft.backends.rotary import install_fused_rotary, uninstall_fused_rotary  
 
 
 def _tiny(family="qwen3_moe", seed=0):
-    from tiny_models import tiny_model
+    from helpers.tiny_models import tiny_model
 
     # GLM-4.5 rotates part of each head
     return tiny_model(family, seed=seed, **({"partial_rotary_factor": 0.5} if family == "glm4_moe" else {}))

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from helpers.tiny_models import tiny_model
 
 from kt_ft.base.errors import KTConfigError
 from kt_ft.plan.builtin import builtin_rule_names, resolve_rule_path

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from helpers.tiny_models import tiny_model
 
 from kt_ft.backends.grouped_wide import wide_extra_bytes
 from kt_ft.integrations.cli.main import main
@@ -164,8 +164,8 @@ def test_check_lists_schema_include_and_device_problems_together(tmp_path, capsy
 def test_lora_count_is_the_same_on_a_peft_wrapped_model():
     """placement: auto plans on the PEFT model during a run: its wrapped layers count once (not also
     their base_layer and lora_A / lora_B)."""
+    from helpers.tiny_models import tiny_model
     from peft import LoraConfig, get_peft_model
-    from tiny_models import tiny_model
 
     from kt_ft.plan.builtin import resolve_rule_path
     from kt_ft.plan.families import FAMILIES

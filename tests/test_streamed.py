@@ -5,7 +5,7 @@ GPU machine, with plain synchronous copies (the CUDA twins below run on the GPU 
 
 Tolerances (fp32) against the all-CPU placement, test_resident.py's and for its reasons: first-step
 gradients 2e-6 relative to each tensor's largest entry, losses rel 1e-5 per step, expert LoRA after
-the AdamW steps abs 1e-4 (test_resident.adamw: eps 1e-3); float64 single-layer gradients 1e-10 relative / 1e-12 absolute.
+the AdamW steps abs 1e-4 (helpers.resident.adamw: eps 1e-3); float64 single-layer gradients 1e-10 relative / 1e-12 absolute.
 
 Copies (a model of L streamed layers, two buffers): the first step copies every layer in its forward
 (the order is not known yet, so nothing is prefetched) and L-2 in its backward (the last two layers
@@ -20,9 +20,9 @@ import json
 
 import pytest
 import torch
-from test_parity import expert_lora
-from test_resident import _first_grads, _train_keep, adamw, batches, build, kt_layers, train
-from tiny_models import tiny_model
+from helpers.parity import expert_lora
+from helpers.resident import adamw, batches, build, first_grads, kt_layers, train, train_keep
+from helpers.tiny_models import tiny_model
 
 from kt_ft.backends.grouped_wide import wide_extra_bytes
 from kt_ft.base.errors import KTConfigError
@@ -70,7 +70,7 @@ def assert_trains_like(got_model, ref_model, got, ref, lora_atol=1e-4):
 
 
 def assert_same_first_grads(model, ref_model, gc=False):
-    first = [_first_grads(m, gc) for m in (ref_model, model)]
+    first = [first_grads(m, gc) for m in (ref_model, model)]
     assert first[0].keys() == first[1].keys() and any("experts.up_a" in n for n in first[0])
     for n, g in first[0].items():
         torch.testing.assert_close(
@@ -346,7 +346,7 @@ def test_resume_under_another_placement(tmp_path):
     ref_model = all_cpu(num_hidden_layers=L)
     ref = train(ref_model, batches(), 4, False)
     first, opt_state = all_cpu(num_hidden_layers=L), {}
-    losses = _train_keep(first, batches(), 0, 2, opt_state)
+    losses = train_keep(first, batches(), 0, 2, opt_state)
     save_fused_expert_lora(first, tmp_path / "ckpt")
     other = {
         n: p.detach().clone() for n, p in first.named_parameters() if p.requires_grad and "experts" not in n
@@ -361,7 +361,7 @@ def test_resume_under_another_placement(tmp_path):
         for n, p in second.named_parameters():
             if n in other:
                 p.copy_(other[n])
-    losses += _train_keep(second, batches(), 2, 4, opt_state)
+    losses += train_keep(second, batches(), 2, 4, opt_state)
     assert kt_layers(second)[0].streamed.copies > 0
     assert_trains_like(second, ref_model, losses, ref)
 
@@ -432,8 +432,8 @@ def test_split_changed_between_steps_trains_like_all_cpu(tmp_path):
     sched = layers[0].streamed.scheduler
     opt_state, ref_state = {}, {}
     data = batches()
-    ref = _train_keep(cpu_model, data, 0, 2, ref_state) + _train_keep(cpu_model, data, 2, 4, ref_state)
-    got = _train_keep(model, data, 0, 2, opt_state)
+    ref = train_keep(cpu_model, data, 0, 2, ref_state) + train_keep(cpu_model, data, 2, 4, ref_state)
+    got = train_keep(model, data, 0, 2, opt_state)
     layers[0].set_placement((5,), ())  # stops streaming
     layers[1].set_placement((0, 1), (2, 6))  # other streamed ids
     layers[2].set_placement((), (0, 1, 2, 3, 4, 5, 6, 7))  # every expert on the device
@@ -444,7 +444,7 @@ def test_split_changed_between_steps_trains_like_all_cpu(tmp_path):
     assert all(s.layer != 0 for s in sched.slots)
     assert not layers[2].device_experts.cpu_follows
     calls = [m.runner.forward_calls for m in layers]
-    got += _train_keep(model, data, 2, 4, opt_state)
+    got += train_keep(model, data, 2, 4, opt_state)
     assert [m.runner.forward_calls - c for m, c in zip(layers, calls)] == [2, 2, 0, 2]
     assert_trains_like(model, cpu_model, got, ref)
     # a layer built with every expert on the device never prepared its CPU backend; moved back

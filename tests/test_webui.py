@@ -28,7 +28,7 @@ import pytest
 pytest.importorskip("llamafactory")
 pytest.importorskip("gradio")
 
-from lf_runs import REPO  # noqa: E402
+from helpers.lf_runs import REPO  # noqa: E402
 
 from kt_ft.base.errors import KTConfigError  # noqa: E402
 

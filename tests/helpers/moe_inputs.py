@@ -23,7 +23,13 @@ def make_problem(
     spec: ExpertSpec | None = None,
     bias_scale: float | None = None,
 ):
-    """Weights, LoRA (B non-zero so every path is exercised), inputs and an upstream grad.
+    """Weights, LoRA (B non-zero so every path is exercised), inputs and an upstream grad, all drawn
+    from ``gen`` in float64 and rounded to ``dtype``. Returns (base, lora, x, ids, weights, grad_out):
+    base an ExpertWeights (gate_up [E, 2I, H], down [E, H, I]; [E, H, 2I] / [E, I, H] for a transposed
+    ``spec``; biases [E, 2I] / [E, H] with ``bias_scale``), lora a LoraTensors (gate_a / up_a
+    [E, r, H], gate_b / up_b [E, I, r], down_a [E, r, I], down_b [E, H, r]), x [T, H], ids [T, k]
+    int64 (``ids`` if given, else k distinct experts a token), routing weights [T, k] (softmax) and
+    grad_out [T, H].
 
     ``spec``: the base weights' layout/activation (default: plain silu [E, 2I, H]);
     ``bias_scale``: add gate_up/down biases N(0, bias_scale^2) (a large one pushes pre-activations

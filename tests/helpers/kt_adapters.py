@@ -32,6 +32,7 @@ def lf_load(demo_assets, trainable, model_dir=None, **overrides):
 
 
 def logits(model) -> torch.Tensor:
+    """The model's logits on ``TOKENS`` without grad: [1, 10, vocab] float32."""
     with torch.no_grad():
         return model(input_ids=TOKENS).logits.float()
 

@@ -44,7 +44,7 @@ def train(assets: Path, out: Path, **overrides) -> Path:
         learning_rate=1e-2,
         # AdamW's default eps (1e-8) turns rounding-level gradient differences of near-zero
         # entries into full lr-sized steps; 1e-3 keeps runs that differ only in summation order
-        # comparable step by step (as test_resident.py's adamw)
+        # comparable step by step (as helpers/resident.py's adamw)
         adam_epsilon=1e-3,
         max_steps=4,
         lr_scheduler_type="constant",

@@ -13,13 +13,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from lf_runs import CLI, REPO, failure_text
+from helpers.lf_runs import CLI, REPO, failure_text
 
 API_PACKAGES = ("fastapi", "uvicorn", "sse_starlette")  # LLaMA-Factory's api extra
 MISSING_API = [p for p in API_PACKAGES if importlib.util.find_spec(p) is None]
 
 
 def free_port() -> int:
+    """A local TCP port that was free a moment ago (bound and released)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "demo_tiny_qwen3moe.yaml"
 CLI = Path(sys.executable).with_name("llamafactory-cli")
 MANIFEST = "kt_adapter_manifest.json"
@@ -84,6 +84,7 @@ def failure_text(log: str, tail: int = 3000) -> str:
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    """Wait for a ``start_train`` run (at most ``timeout`` s); returns (its exit status, its log text)."""
     rc = proc.wait(timeout=timeout)
     proc.log_file.close()
     return rc, Path(proc.log_path).read_text()
@@ -123,7 +124,10 @@ def adapter_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_close_runs(got_dir, want_dir, steps, loss_rtol=LOSS_RTOL):
+def assert_close_runs(got_dir, want_dir, steps, loss_rtol=LOSS_RTOL) -> None:
+    """Two runs' output dirs logged losses at exactly ``steps`` (``got_dir``), each within ``loss_rtol``
+    of ``want_dir``'s, and hold the same adapter tensors, each within ``TENSOR_RTOL`` of its file
+    (max |a-b| <= rtol x max |b|), with some non-zero fused expert-LoRA B. Returns nothing."""
     want, got = step_losses(want_dir), step_losses(got_dir)
     assert sorted(got) == steps, got
     for s in steps:
