@@ -300,7 +300,7 @@ def _trainer(fsdp_enabled, version=2, fsdp=("full_shard",)):
 
 def test_fsdp_dropped_by_accelerate_is_said(monkeypatch):
     """On a CPU-only machine accelerate drops the FSDP plugin (DDP trains): kt-ft says so."""
-    from kt_ft.integrations.llamafactory import fsdp_trainer
+    from kt_ft.integrations.trainer import fsdp as fsdp_trainer
 
     said = []
     monkeypatch.setattr(fsdp_trainer.logger, "warning", said.append)
@@ -316,7 +316,7 @@ def test_fsdp_dropped_by_accelerate_is_said(monkeypatch):
 def test_fsdp1_plugin_is_refused_at_trainer_start():
     """The parser refuses FSDP1 first; should accelerate still hold a version-1 plugin, the
     Trainer hook refuses it before anything is wrapped."""
-    from kt_ft.integrations.llamafactory import fsdp_trainer
+    from kt_ft.integrations.trainer import fsdp as fsdp_trainer
 
     with pytest.raises(KTConfigError, match="fsdp_version=1 with use_kt: only FSDP2 is supported"):
         fsdp_trainer.setup_fsdp2(_trainer(fsdp_enabled=True, version=1))
@@ -332,7 +332,7 @@ def test_ignored_modules_keep_the_recipes_own():
 
 
 def test_deepspeed_on_the_command_line_is_refused():
-    from kt_ft.integrations.llamafactory.parallel import check_raw_recipe
+    from kt_ft.integrations.trainer.parallel import check_raw_recipe
 
     with pytest.raises(KTConfigError, match="deepspeed='ds.json' with use_kt"):
         check_raw_recipe(["--model_name_or_path", "m", "--use_kt", "--deepspeed=ds.json"])

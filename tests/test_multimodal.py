@@ -23,12 +23,9 @@ pytest.importorskip("llamafactory")
 
 from helpers.vl_runs import train  # noqa: E402
 
+from kt_ft.backends.patch_conv import PatchConv3dAsMatmul, replace_patch_conv3d  # noqa: E402
 from kt_ft.integrations.demo.vision import VL_DEMOS, make_demo_vl_model  # noqa: E402
-from kt_ft.integrations.llamafactory.patch_embed import (  # noqa: E402
-    PatchConv3dAsMatmul,
-    conv3d_refused,
-    replace_patch_conv3d,
-)
+from kt_ft.integrations.llamafactory.patches import conv3d_refused  # noqa: E402
 
 GROUPS = ("vision", "projector", "language", "experts")
 # lr-0 losses, use_kt true vs false (fp32; the CPU op sums the top-k in another order than HF)
