@@ -50,11 +50,14 @@ def test_parse_systems_names_the_valid_forms():
     # a kt-ft system with one of kt-ft's settings for its run (two ways of one mechanism, one run)
     (g,) = parse_systems("kt-auto@24+fp8%KT_FT_CUDA_GRAPHS=0")
     assert (g.kind, g.cap_gib, g.quant, g.settings) == ("auto", 24, "fp8", (("KT_FT_CUDA_GRAPHS", "0"),))
-    (two,) = parse_systems("kt-auto%KT_FT_FUSED_LORA=0%KT_FT_FUSED_NORM=0")
-    assert two.settings == (("KT_FT_FUSED_LORA", "0"), ("KT_FT_FUSED_NORM", "0"))
+    (two,) = parse_systems("kt-auto%KT_FT_FUSIONS=rope+loss%KT_FT_CUDA_GRAPHS=0")
+    assert two.settings == (("KT_FT_FUSIONS", "rope+loss"), ("KT_FT_CUDA_GRAPHS", "0"))
+    assert parse_systems("kt-cpu:torch%KT_FT_FUSIONS=none")[0].settings == (("KT_FT_FUSIONS", "none"),)
+    with pytest.raises(ValueError, match=r"KT_FT_FUSIONS='rope\+fast': fast is not a fusion"):
+        parse_systems("kt-auto%KT_FT_FUSIONS=rope+fast")
     for bad in (
         "kt-auto%KT_FT_NOPE=1",
-        "kt-auto%KT_FT_FUSED_LORA=0%KT_FT_NOPE=1",
+        "kt-auto%KT_FT_FUSIONS=none%KT_FT_NOPE=1",
         "kt-auto%KT_FT_CUDA_GRAPHS",
         "peft%KT_FT_CUDA_GRAPHS=1",
     ):

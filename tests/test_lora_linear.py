@@ -105,7 +105,7 @@ def test_calls_fused_lora_cannot_take_go_through_peft(monkeypatch):
     fused_count, skipped = install_fused_lora(dropped)
     assert fused_count == 0 and skipped == {"LoRA dropout": 2}
 
-    monkeypatch.setenv("KT_FT_FUSED_LORA", "0")
+    monkeypatch.setenv("KT_FT_FUSIONS", "norm,rope,loss")  # all but lora
     _, off = _pair(gen=gen)
     assert install_fused_lora(off)[0] == 0
     assert not any(hasattr(m, "_kt_ft_adapter") for m in off.modules())

@@ -64,7 +64,7 @@ def test_a_norm_that_normalises_otherwise_keeps_its_forward(monkeypatch):
     assert all("forward" not in m.__dict__ for m in shifted)
 
     model = _tiny_qwen3_moe()
-    monkeypatch.setenv("KT_FT_FUSED_NORM", "0")
+    monkeypatch.setenv("KT_FT_FUSIONS", "lora,rope,loss")  # all but norm
     assert install_fused_rms_norm(model) == 0
 
 

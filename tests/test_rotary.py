@@ -76,7 +76,7 @@ def test_partial_rotary_and_off_keep_the_familys_function(monkeypatch):
         got = ref(input_ids=ids).logits
     uninstall_fused_rotary()
     assert torch.equal(got, want)
-    monkeypatch.setenv("KT_FT_FUSED_ROPE", "0")
+    monkeypatch.setenv("KT_FT_FUSIONS", "lora+norm+loss")  # all but rope
     assert install_fused_rotary(_tiny()) == []
 
 

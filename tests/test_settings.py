@@ -43,7 +43,7 @@ def test_values_defaults_and_the_log(monkeypatch, caplog):
     for off in ("0", "false", "No", " off "):
         monkeypatch.setenv("KT_FT_CUDA_GRAPHS", off)
         assert not settings.enabled("KT_FT_CUDA_GRAPHS"), off
-    monkeypatch.setenv("KT_FT_FUSED_NORM", "1")  # the default: not a change
+    monkeypatch.setenv("KT_FT_FUSIONS", "lora,norm,rope,loss")  # the default: not a change
     assert settings.changed() == {"KT_FT_CUDA_GRAPHS": " off "}
     with pytest.raises(KeyError):
         settings.get("KT_FT_NO_SUCH_SWITCH")
@@ -56,6 +56,30 @@ def test_values_defaults_and_the_log(monkeypatch, caplog):
     assert lines == [
         "setting KT_FT_CUDA_GRAPHS= off  (default 1): " + settings.SETTINGS["KT_FT_CUDA_GRAPHS"].help
     ]
+
+
+def test_fusions_parses_the_list_and_names_a_bad_one(monkeypatch):
+    """KT_FT_FUSIONS: all four by default; a comma (or +) list picks some; none / 0 / empty: none;
+    an unknown name stops with the variable, its value and the valid names."""
+    monkeypatch.delenv("KT_FT_FUSIONS", raising=False)
+    assert settings.fusions() == {"lora", "norm", "rope", "loss"}
+    for value, want in (
+        ("lora", {"lora"}),
+        (" Norm , rope ", {"norm", "rope"}),
+        ("rope+loss", {"rope", "loss"}),
+        ("lora,norm,rope", {"lora", "norm", "rope"}),
+        ("none", set()),
+        ("0", set()),
+        ("", set()),
+    ):
+        monkeypatch.setenv("KT_FT_FUSIONS", value)
+        assert settings.fusions() == want, value
+    monkeypatch.setenv("KT_FT_FUSIONS", "lora,flash")
+    with pytest.raises(
+        ValueError,
+        match=r"KT_FT_FUSIONS='lora,flash': flash is not a fusion; valid: .*lora, norm, rope, loss",
+    ):
+        settings.fusions()
 
 
 def test_docs_settings_is_the_registry():

@@ -147,7 +147,7 @@ def _aux_coef(lm: nn.Module) -> float:
             return coef
     raise RuntimeError(
         f"{type(lm).__name__} returned an auxiliary loss but names no router_aux_loss_coef: "
-        "set KT_FT_CHUNKED_LOSS=0 (its own loss) for this model"
+        "leave loss out of KT_FT_FUSIONS (e.g. KT_FT_FUSIONS=lora,norm,rope: its own loss) for this model"
     )
 
 

@@ -11,7 +11,7 @@ merging and export are unchanged.
 Numerics: the products run in the dtype PEFT's would under the same autocast (bf16 in
 LLaMA-Factory's bf16 recipes); the LoRA term is added inside the product's fp32 accumulator
 instead of rounded to bf16 first, so outputs differ from PEFT's by rounding only (tests state
-the tolerance). ``KT_FT_FUSED_LORA=0`` keeps PEFT's forward.
+the tolerance). ``KT_FT_FUSIONS`` without ``lora`` keeps PEFT's forward.
 
 A layer takes the fused path only where it is plain LoRA (one active adapter, no dropout, DoRA,
 LoRA bias or other variant, an ``nn.Linear`` base with a frozen weight, not merged); a call with
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kt_ft.base.log import get_logger
-from kt_ft.base.settings import enabled
+from kt_ft.base.settings import fusions
 
 logger = get_logger(__name__)
 
@@ -122,10 +122,10 @@ def install_fused_lora(model: torch.nn.Module) -> tuple[int, Counter]:
     """Give every plain PEFT LoRA linear of ``model`` the fused forward (module doc).
 
     Returns (layers fused, Counter of reasons the others were not); logs one line. A no-op (0)
-    under ``KT_FT_FUSED_LORA=0`` or without PEFT.
+    when ``KT_FT_FUSIONS`` leaves out ``lora``, or without PEFT.
     """
     skipped: Counter = Counter()
-    if not enabled("KT_FT_FUSED_LORA"):
+    if "lora" not in fusions():
         return 0, skipped
     try:
         from peft.tuners.lora.layer import Linear as LoraLinear
@@ -147,6 +147,7 @@ def install_fused_lora(model: torch.nn.Module) -> tuple[int, Counter]:
         why = "; ".join(f"{n} with {r}" for r, n in skipped.most_common())
         logger.info(
             f"LoRA linears: {fused} of {fused + sum(skipped.values())} through one fused autograd node "
-            f"(KT_FT_FUSED_LORA=0: PEFT's forward)" + (f"; PEFT's forward kept for {why}" if why else "")
+            f"(KT_FT_FUSIONS without lora: PEFT's forward)"
+            + (f"; PEFT's forward kept for {why}" if why else "")
         )
     return fused, skipped

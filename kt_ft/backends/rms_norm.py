@@ -11,7 +11,7 @@ result differs from transformers' by the fp32 reduction's order only.
 Which modules: instances of classes named ``*RMSNorm`` with a ``weight`` of one dimension and a
 ``variance_epsilon``. A class is patched only after its own forward and the replacement agreed on a
 random input (families that normalise otherwise, e.g. Gemma's ``1 + weight``, keep their forward).
-``KT_FT_FUSED_NORM=0`` keeps every class's own forward.
+``KT_FT_FUSIONS`` without ``norm`` keeps every class's own forward.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kt_ft.base.log import get_logger
-from kt_ft.base.settings import enabled
+from kt_ft.base.settings import fusions
 
 logger = get_logger(__name__)
 
@@ -55,7 +55,7 @@ def _agrees(module: torch.nn.Module) -> bool:
 
 def install_fused_rms_norm(model: torch.nn.Module) -> int:
     """Give every Llama-style RMSNorm of ``model`` the ``F.rms_norm`` forward; returns how many (logged)."""
-    if not enabled("KT_FT_FUSED_NORM"):
+    if "norm" not in fusions():
         return 0
     verdict: dict[type, bool] = {}
     count = 0
@@ -79,7 +79,7 @@ def install_fused_rms_norm(model: torch.nn.Module) -> int:
     if verdict:
         kept = sorted(c.__name__ for c, ok in verdict.items() if not ok)
         logger.info(
-            f"RMSNorm: {count} modules through torch's rms_norm (KT_FT_FUSED_NORM=0: their own forward)"
+            f"RMSNorm: {count} modules through torch's rms_norm (KT_FT_FUSIONS without norm: their own forward)"
             + (f"; their own forward kept for {', '.join(kept)} (it normalises otherwise)" if kept else "")
         )
     return count

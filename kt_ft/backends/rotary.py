@@ -11,7 +11,7 @@ roll(g (s sin), -D/2). The result differs from transformers' by one bf16 roundin
 Which functions: a family module's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` is
 replaced only after it agreed with the replacement on random inputs; calls with a rotary part
 narrower than the head (partial rotary) or other arguments (position ids) go to the family's own.
-``KT_FT_FUSED_ROPE=0`` keeps every family's own.
+``KT_FT_FUSIONS`` without ``rope`` keeps every family's own.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import torch
 
 from kt_ft.base.log import get_logger
-from kt_ft.base.settings import enabled
+from kt_ft.base.settings import fusions
 
 logger = get_logger(__name__)
 _PATCHED: set[str] = set()  # modules whose function is kt-ft's now (a process-wide change)
@@ -94,8 +94,8 @@ def _agrees(fn, replacement) -> bool:
 
 def install_fused_rotary(model: torch.nn.Module) -> list[str]:
     """Replace ``apply_rotary_pos_emb`` in the modeling modules of ``model``'s classes; returns
-    the modules patched (logged). A no-op under ``KT_FT_FUSED_ROPE=0``."""
-    if not enabled("KT_FT_FUSED_ROPE"):
+    the modules patched (logged). A no-op when ``KT_FT_FUSIONS`` leaves out ``rope``."""
+    if "rope" not in fusions():
         return []
     names = sorted(
         {type(m).__module__ for m in model.modules() if type(m).__module__.startswith("transformers.")}
@@ -118,7 +118,7 @@ def install_fused_rotary(model: torch.nn.Module) -> list[str]:
             kept.append(name)
     if patched or kept:
         logger.info(
-            f"rotary embedding: {_short(patched) or 'none'} through one autograd node (KT_FT_FUSED_ROPE=0: "
+            f"rotary embedding: {_short(patched) or 'none'} through one autograd node (KT_FT_FUSIONS without rope: "
             "transformers' own)" + (f"; transformers' own kept for {_short(kept)}" if kept else "")
         )
     return patched

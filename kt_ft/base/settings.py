@@ -11,7 +11,10 @@ reads ``KT_FT_DISABLE``.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
+
+from kt_ft.base.errors import KTConfigError
 
 # what a non-default value changes: "nothing" (the same numbers, another mechanism or a file),
 # "numerics" (another kernel or summation order: results within the tests' tolerances)
@@ -110,33 +113,15 @@ _BY_TOPIC: dict[str, tuple[Setting, ...]] = {
     ),
     "Fused operators": (
         Setting(
-            "KT_FT_FUSED_LORA",
-            "1",
-            "0: PEFT's LoRA linears (attention, shared experts, dense MLPs) run PEFT's own forward "
-            "instead of one fused autograd node each: to tell whether the fusion is why a run differs "
-            "from HF + PEFT, or to measure what it saves",
-            "numerics",
-        ),
-        Setting(
-            "KT_FT_FUSED_NORM",
-            "1",
-            "0: Llama-style RMSNorm modules run their own forward (8 operators) instead of torch's "
-            "rms_norm: as KT_FT_FUSED_LORA, for the norms",
-            "numerics",
-        ),
-        Setting(
-            "KT_FT_FUSED_ROPE",
-            "1",
-            "0: the rotary embedding of q and k runs transformers' own apply_rotary_pos_emb "
-            "(14 operators) instead of one autograd node: as KT_FT_FUSED_LORA, for the rotary embedding",
-            "numerics",
-        ),
-        Setting(
-            "KT_FT_CHUNKED_LOSS",
-            "1",
-            "0: the training loss through the model's own forward (the logits of every token at once) "
-            "instead of lm_head and the cross entropy a chunk of tokens at a time; for a model whose "
-            "loss kt-ft says it cannot compute in chunks",
+            "KT_FT_FUSIONS",
+            "lora,norm,rope,loss",
+            "the fused paths kt-ft installs, a comma list (or joined by +) of lora (PEFT's LoRA "
+            "linears as one autograd node each, instead of PEFT's forward), norm (Llama-style RMSNorm "
+            "through torch's rms_norm), rope (q and k's rotary embedding as one autograd node, instead "
+            "of transformers' apply_rotary_pos_emb) and loss (lm_head and the cross entropy a chunk of "
+            "tokens at a time, no logits of every token at once); none (or 0): none of them. Leave one "
+            "out to tell whether it is why a run differs from HF + PEFT, to measure what it saves, or "
+            "for a model whose loss kt-ft says it cannot compute in chunks",
             "numerics",
         ),
     ),
@@ -201,6 +186,31 @@ def positive_number(name: str) -> float:
     if not value > 0:
         raise ValueError(f"{name}={raw!r}: not a positive number (default {SETTINGS[name].default})")
     return value
+
+
+FUSIONS = ("lora", "norm", "rope", "loss")  # KT_FT_FUSIONS's names
+_NONE = ("none", "0")
+
+
+def fusions() -> frozenset[str]:
+    """The fused paths ``KT_FT_FUSIONS`` turns on in this process (``parse_fusions``)."""
+    return parse_fusions(get("KT_FT_FUSIONS") or "")
+
+
+def parse_fusions(raw: str) -> frozenset[str]:
+    """A ``KT_FT_FUSIONS`` value as a subset of ``FUSIONS`` (names joined by commas or +; ``none``,
+    ``0`` or empty: none); a name outside ``FUSIONS`` stops with the variable, the value and the
+    valid names."""
+    if raw.strip().lower() in _NONE:
+        return frozenset()
+    names = {n.strip().lower() for n in re.split(r"[,+]", raw)} - {""}
+    bad = sorted(names - set(FUSIONS))
+    if bad:
+        raise KTConfigError(
+            f"KT_FT_FUSIONS={raw!r}: {', '.join(bad)} is not a fusion; valid: a comma list of "
+            f"{', '.join(FUSIONS)}, or none"
+        )
+    return frozenset(names)
 
 
 def changed() -> dict[str, str]:

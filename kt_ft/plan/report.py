@@ -49,7 +49,7 @@ from kt_ft.backends.grouped_layout import ROW_PAD
 from kt_ft.backends.quant_weights import is_quantized
 from kt_ft.base.errors import KTConfigError
 from kt_ft.base.log import fmt_bytes
-from kt_ft.base.settings import enabled
+from kt_ft.base.settings import fusions
 from kt_ft.plan.cost import STREAM_BUFFERS, LayerShape
 from kt_ft.plan.family import layer_index, unwrap_peft
 from kt_ft.plan.homes import lora_home
@@ -187,7 +187,7 @@ def non_expert_activation_bytes(model: torch.nn.Module, sizes: TrainSizes, elt: 
     H, L, V = text.hidden_size, text.num_hidden_layers, text.vocab_size
     tokens = sizes.batch * sizes.cutoff_len
     a = 2 if elt == 2 else 4
-    chunked = enabled("KT_FT_CHUNKED_LOSS") and lm_loss.supported(model.config)
+    chunked = "loss" in fusions() and lm_loss.supported(model.config)
     loss_bytes = lm_loss.loss_bytes(tokens, V, H) if chunked else LOSS_BYTES_PER_LOGIT * tokens * V
     return L * tokens * H * a + LAYER_WORKSET * tokens * H * a + loss_bytes
 

@@ -34,7 +34,7 @@ from kt_ft.backends.rms_norm import install_fused_rms_norm
 from kt_ft.backends.rotary import install_fused_rotary
 from kt_ft.base.errors import KTConfigError
 from kt_ft.base.log import fmt_bytes, get_logger
-from kt_ft.base.settings import enabled
+from kt_ft.base.settings import fusions
 from kt_ft.formats.lora_layout import LORA_NAMES
 from kt_ft.formats.manifest import KTAdapterInfo, read_manifest
 from kt_ft.plan.auto import auto_layers
@@ -178,9 +178,9 @@ def apply(
         setup_data_parallel(model)  # several processes: DDP setup and expert-LoRA grad averaging
     hook_save_pretrained(model, info)
     hook_load_adapter(model, info, experts_trainable)
-    install_fused_lora(model)  # PEFT's LoRA linears as one autograd node each (KT_FT_FUSED_LORA)
-    install_fused_rms_norm(model)  # RMSNorm through torch's rms_norm (KT_FT_FUSED_NORM)
-    install_fused_rotary(model)  # q and k's rotary embedding as one autograd node (KT_FT_FUSED_ROPE)
+    install_fused_lora(model)  # PEFT's LoRA linears as one autograd node each (KT_FT_FUSIONS: lora)
+    install_fused_rms_norm(model)  # RMSNorm through torch's rms_norm (KT_FT_FUSIONS: norm)
+    install_fused_rotary(model)  # q and k's rotary embedding as one autograd node (KT_FT_FUSIONS: rope)
     _log_summary(model, summary, rule_path)
     run = KTRun(model, plan, summary, rule_path, auto, replanner, info)
     model._kt_ft_run = run  # the HF Trainer callback (kt_ft.integrations.trainer) steps it
@@ -188,13 +188,13 @@ def apply(
 
 
 def _install_chunked_loss(model: torch.nn.Module) -> None:
-    if not enabled("KT_FT_CHUNKED_LOSS"):
+    if "loss" not in fusions():
         return
     why_not = lm_loss.install(model)
     if why_not is None:
         logger.info(
             "training loss: lm_head and cross entropy a chunk of tokens at a time, no [tokens, vocab] "
-            "logits (KT_FT_CHUNKED_LOSS=0: the model's own)"
+            "logits (KT_FT_FUSIONS without loss: the model's own)"
         )
     else:
         logger.info(f"training loss: the model's own ({why_not})")

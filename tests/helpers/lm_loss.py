@@ -11,13 +11,17 @@ from kt_ft.backends import lm_loss
 
 def apply_both(base, twin, config) -> None:
     """``kt_ft.apply`` on ``base`` (the chunked loss) and on its copy ``twin`` with
-    KT_FT_CHUNKED_LOSS=0 (the model's own loss); checks which got which. Returns nothing: both
+    KT_FT_FUSIONS=lora,norm,rope (the model's own loss); checks which got which. Returns nothing: both
     models are changed in place."""
     kt_ft.apply(base, config)
-    os.environ["KT_FT_CHUNKED_LOSS"] = "0"
+    before = os.environ.get("KT_FT_FUSIONS")
+    os.environ["KT_FT_FUSIONS"] = "lora,norm,rope"
     try:
         kt_ft.apply(twin, config)
     finally:
-        del os.environ["KT_FT_CHUNKED_LOSS"]
+        if before is None:
+            del os.environ["KT_FT_FUSIONS"]
+        else:
+            os.environ["KT_FT_FUSIONS"] = before
     assert getattr(lm_loss.causal_lm_module(base), "_kt_ft_chunked_loss", False)
     assert not getattr(lm_loss.causal_lm_module(twin), "_kt_ft_chunked_loss", False)

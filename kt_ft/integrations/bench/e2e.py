@@ -20,7 +20,8 @@ there is a GPU, LLaMA-Factory's default gradient checkpointing, kt-ft's default 
   kept quantized in RAM and on the GPU.
 - ``<kt system>%<SETTING>=<value>`` (``kt-auto%KT_FT_CUDA_GRAPHS=1``): the same system with one of
   kt-ft's registered settings (``kt_ft/base/settings.py``) set for its run: two ways of one mechanism
-  measured in one benchmark run.
+  measured in one benchmark run (``kt-auto%KT_FT_FUSIONS=none``: without kt-ft's fused non-expert
+  paths; a list's names joined by ``+``, ``%KT_FT_FUSIONS=rope+loss``, as commas separate systems).
 - ``kt-peer``: KTransformers' own SFT path, the peer: LLaMA-Factory's native ``use_kt`` with
   transformers-kt, accelerate-kt and kt-kernel (``kt_config: {kt_backend: AMXBF16, kt_num_threads}``),
   kt-ft's start-up hook off (``KT_FT_DISABLE=1``). Those packages replace transformers and

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from kt_ft.base import settings
+from kt_ft.base.errors import KTConfigError
 from kt_ft.integrations.bench.e2e_assets import DATASET
 from kt_ft.integrations.bench.vl_assets import TEMPLATE as VL_TEMPLATE
 from kt_ft.integrations.bench.vl_assets import is_vl
@@ -58,6 +59,11 @@ def parse_systems(text: str) -> list[System]:
                     f"--systems: {full!r}: a '%<SETTING>=<value>' suffix takes one of kt-ft's settings "
                     f"({', '.join(settings.SETTINGS)}) after a kt-ft system"
                 )
+            if name == "KT_FT_FUSIONS":  # a bad name stops here, not in the run
+                try:
+                    settings.parse_fusions(value)
+                except KTConfigError as e:
+                    raise ValueError(f"--systems: {full!r}: {e.problems[0]}") from None
             pairs.append((name, value))
         raw, _, quant = head.partition("+")
         if quant:
