@@ -7,7 +7,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/kt-ft-out}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$PWD/.ktk" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-PARTS=${PARTS:-tests,op,step}  # also: e2e, gemm, gen, gpuprobe, hostprobe, nxprobe, overlap, placement, probe, qprobe, scaling
+PARTS=${PARTS:-tests,op,step}  # also: e2e, gemm, gen, gpuprobe, hostprobe, nxprobe, placement, probe, qprobe, scaling
 if [[ ",$PARTS," == *,e2e,* || ",$PARTS," == *,gen,* ]]; then
   # the product path: LLaMA-Factory 0.9.5's stack and a kt-ft wheel (its .pth start-up hook) installed
   # for real into the machine's python (carry .whl: `pip download` list in docs/benchmarks.md)
@@ -36,26 +36,30 @@ THREADS=${THREADS:-$(nproc)}
   df -h /tmp | tail -1
 } 2>&1 | tee "$OUT/env.txt"
 # env: SEQ, THREADS; placement: CAPS, PLACEMENTS, PLACEMENT_LAYERS, PLACEMENT_SYSTEMS (peft-gpu; kt-ft: without it),
-# PROFILE_DIR; step: STEP_LAYERS, SYSTEMS, BACKENDS, STEP_PRESETS; KT_FT_BENCH_REPLAN=0 / KT_FT_BENCH_TRACE=1
-# pass through to the bench workers (kt_ft/integrations/bench/step.py)
+# PROFILE_DIR; step: STEP_LAYERS, SYSTEMS, BACKENDS, STEP_PRESETS; REPLAN=0 / TRACE=1: kt-ft bench's
+# --no-replan / --trace for the step and placement parts (their workers: kt_ft/integrations/bench/step.py)
 # TESTS: other test files / node ids, TEST_K: a pytest -k expression (e.g. TEST_K=cuda)
 TESTS=${TESTS:-tests/test_kernels.py tests/test_parity.py tests/test_gpu.py tests/test_kt_kernel.py tests/test_rules.py tests/test_checkpoint.py tests/test_families.py tests/test_gpt_oss.py tests/test_resident.py tests/test_beside.py tests/test_streamed.py tests/test_placement.py tests/test_placement_runtime.py tests/test_grouped_device.py tests/test_graphed.py tests/test_loading.py tests/test_load_memory.py}
 # shellcheck disable=SC2086
 [[ $PARTS == *tests* ]] && timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs \
   ${TEST_K:+-k "$TEST_K"} $TESTS 2>&1 | tee "$OUT/pytest.log"
 # issue 8: tokens/s against the GPU memory cap for all-CPU, all-streamed, auto and all-GPU, predicted beside measured
-[[ ${PROFILE:-1} == 1 ]] && export KT_FT_BENCH_PROFILE=${PROFILE_DIR:-$OUT/prof}  # PROFILE=0: no profiled step
+BENCH_FLAGS=()  # the step and placement parts' diagnostics
+[[ ${PROFILE:-1} == 1 ]] && BENCH_FLAGS+=(--profile "${PROFILE_DIR:-$OUT/prof}")  # PROFILE=0: no profiled step
+[[ ${TRACE:-0} == 1 ]] && BENCH_FLAGS+=(--trace)
+[[ ${REPLAN:-1} == 0 ]] && BENCH_FLAGS+=(--no-replan)
 [[ $PARTS == *placement* ]] && timeout "${PLACEMENT_TIMEOUT:-580}" python3 -m kt_ft bench --preset "${PRESET:-qwen3-30b-a3b}" \
   --parts placement --layers "${PLACEMENT_LAYERS:-4}" --seq "${SEQ:-2048}" --threads "$THREADS" --caps "${CAPS:-24,38,80}" \
   --placements "${PLACEMENTS:-cpu,auto,stream}" --systems "${PLACEMENT_SYSTEMS:-peft-gpu}" \
-  --json "$OUT/placement.json" --plot "$OUT/placement.png" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|run/s\]$" | tee "$OUT/placement.log"
+  --json "$OUT/placement.json" --plot "$OUT/placement.png" ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|run/s\]$" | tee "$OUT/placement.log"
 [[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft bench --preset "${PRESET:-qwen3-30b-a3b}" --parts op \
   --tokens "${TOKENS:-512,2048,4096}" --threads "$THREADS" --repeat 2 --json "$OUT/bench.json" 2>&1 \
   | tr '\r' '\n' | grep -v "it/s\]$\|case/s\]$" | tee "$OUT/bench.log"
 for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
   [[ $PARTS == *step* ]] && timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft bench --preset "$preset" --parts step \
     --layers "${STEP_LAYERS:-2,4}" --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/step-$preset.json" \
-    --systems "${SYSTEMS:-kt-ft,kt-ft-stream,kt-ft-auto,peft-gpu,offload}" ${BACKENDS:+--backends "$BACKENDS"} 2>&1 \
+    --systems "${SYSTEMS:-kt-ft,kt-ft-stream,kt-ft-auto,peft-gpu,offload}" ${BACKENDS:+--backends "$BACKENDS"} \
+    ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} 2>&1 \
     | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/step-$preset.log"
 done
 # the product path: `llamafactory-cli train` once per system on a random model of a real config
@@ -120,13 +124,6 @@ done
   | tee "$OUT/nonexpert_probe.log"
 [[ ",$PARTS," == *,qprobe,* ]] && timeout "${PROBE_TIMEOUT:-240}" python3 -m kt_ft.integrations.bench.probes.q_probe --threads "$THREADS" 2>&1 \
   | tee "$OUT/q_probe.log"
-# shared experts beside the CPU op (kt_ft/runtime/beside.py): the same kt-ft step with the overlap off / on
-for ov in 0 1; do
-  [[ $PARTS == *overlap* ]] && KT_FT_OVERLAP_SHARED=$ov timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft bench \
-    --preset "${OVERLAP_PRESET:-deepseek-v2-lite}" --parts step --systems kt-ft --layers "${OVERLAP_LAYERS:-3}" \
-    --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/overlap-$ov.json" 2>&1 \
-    | tr '\r' '\n' | grep -v "it/s\]$\|system/s\]$" | tee "$OUT/overlap-$ov.log"
-done
-# profiles (KT_FT_BENCH_PROFILE; KT_FT_BENCH_TRACE=1 adds timelines) as one file: $OUT returns at most 8
+# profiles (kt-ft bench --profile; TRACE=1 adds timelines) as one file: $OUT returns at most 8
 if [[ -d $OUT/prof ]]; then tar -czf "$OUT/prof.tgz" -C "$OUT" prof && rm -rf "$OUT/prof"; fi
 exit 0

@@ -90,12 +90,13 @@ def test_bench_placement_tiny_smoke(tmp_path):
     """`--parts placement` on the tiny preset, one cap that fits every expert, `placement: auto`
     alone (test_bench_step_tiny_runs_each_system runs the all-CPU, streamed and PEFT systems): it
     trains; its record says its split (all resident on the CPU "device", whose rates are measured
-    there) and carries a prediction; the plot is written."""
-    out, png = tmp_path / "placement.json", tmp_path / "placement.png"
+    there) and carries a prediction; the plot is written. ``--profile DIR --trace --no-replan`` reach
+    the worker as its own flags: one more step profiled into DIR, with its timeline."""
+    out, png, prof = tmp_path / "placement.json", tmp_path / "placement.png", tmp_path / "prof"
     proc = subprocess.run(
         [sys.executable, "-m", "kt_ft.integrations.cli.main", "bench", "--preset", "tiny", "--parts", "placement", "--backends", "torch",
          "--seq", "32", "--steps", "1", "--threads", "1", "--caps", "2", "--systems", "kt-ft", "--placements", "auto",
-         "--json", str(out),
+         "--json", str(out), "--profile", str(prof), "--trace", "--no-replan",
          "--plot", str(png)],
         capture_output=True,
         text=True,
@@ -108,6 +109,8 @@ def test_bench_placement_tiny_smoke(tmp_path):
     auto = recs[("kt-ft[auto]", 2.0)]
     assert auto["kind"] == "placement" and auto["predicted_s"] > 0 and auto["tok_s"] > 0
     assert "resident/streamed/CPU L0 8/0/0, L1 8/0/0" in auto["note"]
+    assert [p.name for p in prof.iterdir()] and {p.suffix for p in prof.iterdir()} == {".txt", ".json"}
+    assert "Self CPU" in next(prof.glob("*.txt")).read_text()
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -147,17 +147,6 @@ _BY_TOPIC: dict[str, tuple[Setting, ...]] = {
             "and private bytes, the expert mapping's among them) to DIR/rank0.json, rank1.json, ...",
         ),
     ),
-    "kt-ft bench": (
-        Setting(
-            "KT_FT_BENCH_PROFILE", None, "DIR: kt-ft bench's in-process step bench profiles one step there"
-        ),
-        Setting("KT_FT_BENCH_TRACE", "0", "1: KT_FT_BENCH_PROFILE also writes the step's timeline"),
-        Setting(
-            "KT_FT_BENCH_REPLAN",
-            "1",
-            "0: kt-ft bench's step bench times placement auto's first split (no calibration, no trial)",
-        ),
-    ),
 }
 _ALL = tuple(replace(s, topic=topic) for topic, group in _BY_TOPIC.items() for s in group)
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}

@@ -47,11 +47,13 @@ def run_placement(
     all_gpu: bool = True,
     kt_kernel: bool = False,
     placements: tuple[str, ...] | list[str] = PLACEMENTS,
+    worker_flags: tuple[str, ...] = (),
 ) -> list[StepRecord]:
     """Every placement system at every cap (module doc), each in a subprocess; failures printed.
     ``all_gpu``: False leaves out the transformers + PEFT run (``--systems`` without peft-gpu);
     ``kt_kernel``: add the all-CPU run with kt-kernel's kernel (when ``backend`` is another);
-    ``placements``: the kt-ft placements to run (``PLACEMENTS`` by default)."""
+    ``placements``: the kt-ft placements to run (``PLACEMENTS`` by default); ``worker_flags``: added to
+    every worker's command (``step.worker_flags``: profile, trace, replan)."""
     from tqdm import tqdm
 
     n_layers = layers or min(MODEL_CONFIGS[preset][1]["num_hidden_layers"], 4)
@@ -77,7 +79,7 @@ def run_placement(
             out = Path(tmp) / f"{system}-{placement}-{cap}-{job_backend}.json"
             cmd = [sys.executable, "-m", "kt_ft.integrations.bench.step", "--system", system, "--backend", job_backend,
                    "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
-                   "--steps", str(steps), "--out", str(out)]  # fmt: skip
+                   "--steps", str(steps), "--out", str(out), *worker_flags]  # fmt: skip
             if placement is not None:
                 cmd += ["--placement", placement]
             if cap is not None:

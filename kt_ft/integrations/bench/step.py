@@ -39,7 +39,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kt_ft.base.settings import enabled, get
 from kt_ft.integrations.bench.models import LORA_ALPHA, LORA_RANK, MODEL_CONFIGS, StepRecord, build_model_dir
 from kt_ft.integrations.bench.placement_system import Placement, expert_budget, split_text
 from kt_ft.plan.builtin import resolve_rule_path
@@ -182,9 +181,9 @@ def _train_step(model, ids, opt, cuda: bool):
     return loss
 
 
-def _profile_step(model, ids, opt, path: Path, cuda: bool) -> None:
-    """``KT_FT_BENCH_PROFILE=DIR``: one training step under torch.profiler, its op table (by self CPU
-    time and by device time) written to ``path``."""
+def _profile_step(model, ids, opt, path: Path, cuda: bool, trace: bool) -> None:
+    """``--profile DIR``: one training step under torch.profiler, its op table (by self CPU time and by
+    device time) written to ``path``; ``trace``: its timeline too."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -192,7 +191,7 @@ def _profile_step(model, ids, opt, path: Path, cuda: bool) -> None:
         _train_step(model, ids, opt, cuda)
     table = prof.key_averages()
     path.parent.mkdir(parents=True, exist_ok=True)
-    if enabled("KT_FT_BENCH_TRACE"):  # the timeline too (chrome://tracing, Perfetto)
+    if trace:  # the timeline too (chrome://tracing, Perfetto)
         prof.export_chrome_trace(str(path.with_suffix(".trace.json")))
     text = table.table(sort_by="self_cpu_time_total", row_limit=40)
     if cuda:
@@ -243,9 +242,8 @@ def worker(args: argparse.Namespace) -> StepRecord:
         torch.cuda.reset_peak_memory_stats()
     runners = [m.runner for m in model.modules() if isinstance(m, KTExperts)]
     replanner, warmup = None, args.warmup
-    # KT_FT_BENCH_REPLAN=0: time the planner's first split as it is (no calibration, no trial)
-    replan = enabled("KT_FT_BENCH_REPLAN")
-    if replan and placement is not None and placement.ctx is not None and placement.ctx.rates.has_gpu:
+    # --no-replan: time the planner's first split as it is (no calibration, no trial)
+    if args.replan and placement is not None and placement.ctx is not None and placement.ctx.rates.has_gpu:
         # as a run does (``placement/runtime.py``): after a few steps the CPU op's rate in the run
         # replaces the measured one when they differ; those steps are warm-up, plus one for a new split
         replanner = Replanner(placement.ctx, every=0, threshold=1.0)
@@ -281,10 +279,9 @@ def worker(args: argparse.Namespace) -> StepRecord:
     if replanner is not None and replanner.trial_note:
         note += f"; trial: {replanner.trial_note}"
     best = min(times[warmup:])
-    prof_dir = get("KT_FT_BENCH_PROFILE")
-    if prof_dir:  # one more step under the profiler: where the time goes (not part of the figures)
+    if args.profile:  # one more step under the profiler: where the time goes (not part of the figures)
         stem = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{name}-{args.gpu_cap_gib or 0:g}")
-        _profile_step(model, ids, opt, Path(prof_dir) / f"{stem}.txt", cuda)
+        _profile_step(model, ids, opt, Path(args.profile) / f"{stem}.txt", cuda, args.trace)
     i = times.index(best)
     if runners:  # how much of the step the CPU experts take: what overlapping could hide is the rest
         note += f"; CPU expert op {busy[i] * 1e3:.0f} ms of the step ({busy[i] / best:.0%})"
@@ -321,8 +318,10 @@ def run_step(
     steps: int,
     gpu_cap_gib: float,
     timeout_s: int = 900,
+    worker_flags: tuple[str, ...] = (),
 ) -> list[StepRecord]:
-    """Every system on one saved random model, each in a subprocess; failures are printed."""
+    """Every system on one saved random model, each in a subprocess; failures are printed.
+    ``worker_flags``: added to every worker's command (``worker_flags``: profile, trace, replan)."""
     import torch
 
     _, cfg = MODEL_CONFIGS[preset]
@@ -342,7 +341,9 @@ def run_step(
             jobs.append((s, "", None))
     records: list[StepRecord] = []
     for n_layers in layers:
-        records += _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeout_s)
+        records += _run_systems(
+            preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeout_s, worker_flags
+        )
     if len(layers) > 1:
         records += extrapolate(records, layers[-2], layers[-1])
         print_step_table([r for r in records if r.kind == "step-extrapolated"])
@@ -371,7 +372,19 @@ def extrapolate(records: list[StepRecord], l1: int, l2: int) -> list[StepRecord]
     return out
 
 
-def _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeout_s) -> list[StepRecord]:
+def worker_flags(profile: str | None = None, trace: bool = False, replan: bool = True) -> tuple[str, ...]:
+    """The worker's own flags for ``kt-ft bench``'s ``--profile DIR``, ``--trace`` and ``--no-replan``
+    (the step and placement parts run every system in a worker subprocess: ``main``)."""
+    return (
+        *(("--profile", str(profile)) if profile else ()),
+        *(("--trace",) if trace else ()),
+        *(() if replan else ("--no-replan",)),
+    )
+
+
+def _run_systems(
+    preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeout_s, flags=()
+) -> list[StepRecord]:
     from tqdm import tqdm
 
     records: list[StepRecord] = []
@@ -383,7 +396,7 @@ def _run_systems(preset, n_layers, seq, jobs, threads, steps, gpu_cap_gib, timeo
             out = Path(tmp) / f"{system}-{backend}-{placement}.json"
             cmd = [sys.executable, "-m", "kt_ft.integrations.bench.step", "--system", system, "--backend", backend or "auto",
                    "--model", str(model_dir), "--preset", preset, "--seq", str(seq), "--threads", str(threads),
-                   "--steps", str(steps), "--gpu-cap-gib", f"{gpu_cap_gib:g}", "--out", str(out)]  # fmt: skip
+                   "--steps", str(steps), "--gpu-cap-gib", f"{gpu_cap_gib:g}", "--out", str(out), *flags]  # fmt: skip
             if placement is not None:
                 cmd += ["--placement", placement]
             if placement == "auto":  # the experts' share of the cap, for the full model (placement_system.py)
@@ -456,6 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--expert-budget", type=int, default=None, help="placement auto: the routed experts' GPU bytes"
     )
+    p.add_argument(
+        "--profile", default=None, help="DIR: one more step under torch.profiler, its op tables there"
+    )
+    p.add_argument("--trace", action="store_true", help="with --profile: the step's timeline too")
+    p.add_argument("--no-replan", dest="replan", action="store_false",
+                   help="placement auto: time the planner's first split (no calibration, no trial)")  # fmt: skip
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     rec = worker(args)

@@ -92,7 +92,7 @@ def _lf_cell(row, lf_dir: str | None) -> str:
 
 
 def _settings(args: argparse.Namespace) -> int:
-    """Every KT_FT_* environment switch: the registry's table (docs/how-it-works.md carries it)."""
+    """Every KT_FT_* environment switch: the registry's table (docs/settings.md carries it)."""
     from kt_ft.base.settings import markdown_table  # why: lazy CLI
 
     print(markdown_table(), end="")
@@ -159,7 +159,7 @@ def _bench(args: argparse.Namespace) -> int:
         run,
         write_json,
     )
-    from kt_ft.integrations.bench.step import STEP_SYSTEMS, run_step  # why: lazy CLI
+    from kt_ft.integrations.bench.step import STEP_SYSTEMS, run_step, worker_flags  # why: lazy CLI
     from kt_ft.integrations.bench.vl_assets import VL_PRESETS  # why: lazy CLI
 
     parts = args.parts.split(",")
@@ -233,6 +233,7 @@ def _bench(args: argparse.Namespace) -> int:
                 f"--systems {args.systems!r}: {s!r} is unknown; valid choices: {', '.join(STEP_SYSTEMS)}"
             )
     backends = available_backends(args.backends.split(",") if args.backends else None)
+    flags = worker_flags(args.profile, args.trace, args.replan)  # the step and placement workers'
     records: list = []
     if "op" in parts:
         records += run(
@@ -242,7 +243,7 @@ def _bench(args: argparse.Namespace) -> int:
         step_backends = [b for b in backends if b != "reference"]  # the plain loop: minutes per step
         layers = [int(v) for v in args.layers.split(",")] if args.layers else None
         records += run_step(args.preset, layers, args.seq, systems, step_backends, args.threads,
-                            args.steps, args.gpu_cap)  # fmt: skip
+                            args.steps, args.gpu_cap, worker_flags=flags)  # fmt: skip
     if "placement" in parts:
         from kt_ft.integrations.bench.placement import (  # why: placement runs only
             plot_placement,
@@ -253,7 +254,7 @@ def _bench(args: argparse.Namespace) -> int:
         step_backends = [b for b in backends if b != "reference"] or ["auto"]
         placed = run_placement(args.preset, layers[-1], args.seq, caps, step_backends[0], args.threads, args.steps,
                                all_gpu="peft-gpu" in systems, kt_kernel="kt-kernel" in step_backends,
-                               placements=placements)  # fmt: skip
+                               placements=placements, worker_flags=flags)  # fmt: skip
         records += placed
         if args.plot and placed:
             plot_placement(placed, args.plot)
@@ -447,6 +448,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=3, help="timed full steps (after one warm-up; best kept)")
     bench.add_argument(
         "--gpu-cap", type=float, default=24.0, help="offload's GPU memory cap in GiB, for the full model"
+    )
+    bench.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="step and placement parts: one more training step of each system under torch.profiler (not "
+        "part of the figures), its op tables by CPU and device time to DIR/<system>.txt (the e2e part's "
+        "runs: KT_FT_PROFILE)",
+    )
+    bench.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --profile: each profiled step's timeline too (DIR/<system>.trace.json, for Perfetto or "
+        "chrome://tracing)",
+    )
+    bench.add_argument(
+        "--no-replan",
+        dest="replan",
+        action="store_false",
+        help="step and placement parts: time placement auto's first split as the planner made it (no "
+        "calibration of the CPU rate in the run, no trial of another split)",
     )
     bench.set_defaults(func=_bench)
 
