@@ -66,8 +66,8 @@ done
 # (E2E_PRESETS, E2E_LAYERS: a count, empty = full depth; E2E_SYSTEMS, where `+fp8` etc. runs a system on
 # the model's `kt-ft quantize` copy; E2E_STEPS; E2E_ROUNDS: passes over the systems, alternating order;
 # E2E_LENGTHS=varied: examples of varied lengths; E2E_PROFILE=1: one step of each run under torch.profiler,
-# tables under $OUT/e2e-prof.tgz)
-[[ ${E2E_PROFILE:-0} == 1 ]] && export KT_FT_PROFILE=/tmp/e2e-prof
+# tables under $OUT/e2e-prof.tgz, with TRACE=1 its gzipped Chrome trace too)
+[[ ${E2E_PROFILE:-0} == 1 ]] && export KT_FT_PROFILE=/tmp/e2e-prof$([[ ${TRACE:-0} == 1 ]] && echo ,trace)
 for preset in ${E2E_PRESETS:-deepseek-v2-lite}; do
   [[ ",$PARTS," == *,e2e,* ]] || break
   timeout "${E2E_TIMEOUT:-570}" python3 -m kt_ft bench --parts e2e --preset "$preset" ${E2E_LAYERS:+--layers "$E2E_LAYERS"} \

@@ -97,7 +97,7 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
     first forward is the plain model's; fp32 on the CPU: relative 1e-4). The first step is profiled
     (the rate, from the second, does not include it)."""
     out = tmp_path / "e2e.json"
-    env = {**os.environ, "KT_FT_PROFILE": str(tmp_path / "prof"), "KT_FT_PROFILE_STEP": "1"}
+    env = {**os.environ, "KT_FT_PROFILE": f"{tmp_path / 'prof'},step=1"}
     proc = subprocess.run(
         [sys.executable, "-m", "kt_ft.integrations.cli.main", "bench", "--parts", "e2e", "--preset", "tiny", "--seq", "64",
          "--e2e-steps", "2", "--grad-accum", "1", "--threads", "1", "--cpu-infer", "1",

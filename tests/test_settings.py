@@ -39,7 +39,7 @@ def test_values_defaults_and_the_log(monkeypatch, caplog):
     for name in settings.SETTINGS:
         monkeypatch.delenv(name, raising=False)
     assert settings.enabled("KT_FT_CUDA_GRAPHS") and not settings.enabled("KT_FT_DISABLE")
-    assert settings.get("KT_FT_PROFILE") is None and settings.get("KT_FT_PROFILE_STEP") == "3"
+    assert settings.get("KT_FT_PROFILE") is None and settings.profile() is None
     for off in ("0", "false", "No", " off "):
         monkeypatch.setenv("KT_FT_CUDA_GRAPHS", off)
         assert not settings.enabled("KT_FT_CUDA_GRAPHS"), off
@@ -80,6 +80,23 @@ def test_fusions_parses_the_list_and_names_a_bad_one(monkeypatch):
         match=r"KT_FT_FUSIONS='lora,flash': flash is not a fusion; valid: .*lora, norm, rope, loss",
     ):
         settings.fusions()
+
+
+def test_profile_parses_the_directory_and_its_options(monkeypatch):
+    """KT_FT_PROFILE: DIR (step 3, no trace), options after it; a bad one stops with the value."""
+    monkeypatch.setenv("KT_FT_PROFILE", "/tmp/prof")
+    assert settings.profile() == settings.Profile("/tmp/prof", 3, False)
+    for value, want in (
+        ("/tmp/p,step=5", settings.Profile("/tmp/p", 5, False)),
+        ("/tmp/p,trace", settings.Profile("/tmp/p", 3, True)),
+        (" /tmp/p , trace , step=1 ", settings.Profile("/tmp/p", 1, True)),
+    ):
+        assert settings.parse_profile(value) == want, value
+        assert settings.parse_profile(want.value()) == want  # what a child process gets back
+    assert settings.parse_profile("") is None and settings.parse_profile(None) is None
+    for bad in ("/tmp/p,step=0", "/tmp/p,step=x", "/tmp/p,steps=2", "/tmp/p,tracing", ",trace"):
+        with pytest.raises(ValueError, match=r"KT_FT_PROFILE='.*': not a profile request; valid: DIR"):
+            settings.parse_profile(bad)
 
 
 def test_docs_settings_is_the_registry():

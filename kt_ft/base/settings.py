@@ -129,11 +129,11 @@ _BY_TOPIC: dict[str, tuple[Setting, ...]] = {
         Setting(
             "KT_FT_PROFILE",
             None,
-            "DIR: one optimizer step of a llamafactory-cli run under torch.profiler; its operator "
-            "tables and wall time go to DIR (kt-ft on or off alike)",
+            "DIR: one optimizer step of a llamafactory-cli run (the third) under torch.profiler; its "
+            "operator tables and wall time go to DIR/step3.txt (kt-ft on or off alike). Options after "
+            "DIR, comma-separated: step=N records the N-th optimizer step (1-based) instead, trace also "
+            "writes the step's gzipped Chrome trace (DIR,step=5,trace)",
         ),
-        Setting("KT_FT_PROFILE_STEP", "3", "the optimizer step KT_FT_PROFILE records (1-based)"),
-        Setting("KT_FT_PROFILE_TRACE", "0", "1: KT_FT_PROFILE also writes the step's gzipped Chrome trace"),
         Setting(
             "KT_FT_HOST_TIME",
             "0",
@@ -200,6 +200,47 @@ def parse_fusions(raw: str) -> frozenset[str]:
             f"{', '.join(FUSIONS)}, or none"
         )
     return frozenset(names)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What ``KT_FT_PROFILE`` asks for: the directory, the optimizer step (1-based), the trace."""
+
+    directory: str
+    step: int = 3
+    trace: bool = False
+
+    def value(self) -> str:
+        """Back to a ``KT_FT_PROFILE`` value (for a child process)."""
+        return ",".join([self.directory, f"step={self.step}", *(["trace"] if self.trace else [])])
+
+
+def profile() -> Profile | None:
+    """``KT_FT_PROFILE`` in this process (``parse_profile``); None when unset or empty."""
+    return parse_profile(get("KT_FT_PROFILE"))
+
+
+def parse_profile(raw: str | None) -> Profile | None:
+    """A ``KT_FT_PROFILE`` value: ``DIR`` then, comma-separated, ``step=N`` (N >= 1) and ``trace``;
+    None for unset or empty. Anything else stops with the variable, the value and the valid forms."""
+    if raw is None or not raw.strip():
+        return None
+    directory, *options = (part.strip() for part in raw.split(","))
+    step, trace = Profile.step, False
+    for opt in options:
+        key, eq, number = opt.partition("=")
+        if opt == "trace":
+            trace = True
+        elif key == "step" and eq and number.isdigit() and int(number) >= 1:
+            step = int(number)
+        else:
+            directory = ""  # refused below
+    if not directory:
+        raise KTConfigError(
+            f"KT_FT_PROFILE={raw!r}: not a profile request; valid: DIR, with options after it "
+            "(comma-separated): step=N (the N-th optimizer step, N >= 1), trace, e.g. DIR,step=5,trace"
+        )
+    return Profile(directory, step, trace)
 
 
 def changed() -> dict[str, str]:

@@ -57,6 +57,7 @@ import multiprocessing
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from kt_ft.base import settings
@@ -114,7 +115,7 @@ def run_e2e(
         model_dir, data_dir, layers = write_assets(*args)
         quant_dirs = {q: write_quantized(model_dir, q) for q in _quants(systems)}
     records = []
-    prof_root = settings.get("KT_FT_PROFILE")
+    prof_root = settings.profile()
     runnable = []
     for system in systems:
         if not cuda and system.kind in ("auto", "stream", "peer"):
@@ -133,8 +134,11 @@ def run_e2e(
         )  # fmt: skip
         print(f"[{system.name}] llamafactory-cli train {recipe}", flush=True)
         # KT_FT_PROFILE=DIR for the bench: each run profiles one step into DIR/<system> (that step
-        # is left out of its rate; kt_ft/integrations/trainer/profile.py)
-        env = {"KT_FT_PROFILE": str(Path(prof_root) / run_dir.name)} if prof_root else {}
+        # is left out of its rate; kt_ft/integrations/trainer/profile.py), the options kept
+        env = {}
+        if prof_root is not None:
+            own = replace(prof_root, directory=str(Path(prof_root.directory) / run_dir.name))
+            env["KT_FT_PROFILE"] = own.value()
         env["KT_FT_HOST_TIME"] = "1"  # every system's host time a step, unprofiled (``host_time.py``)
         env.update(dict(system.settings))
         if system.kind == "peer":

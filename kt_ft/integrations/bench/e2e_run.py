@@ -118,7 +118,8 @@ def run_system(
             rc = rc if rc else -9
     seconds = time.perf_counter() - t0
     rows = read_trainer_log(run_dir / "output" / "trainer_log.jsonl")
-    skip = int(settings.get("KT_FT_PROFILE_STEP")) if (env or {}).get("KT_FT_PROFILE") else None
+    profiled = settings.parse_profile((env or {}).get("KT_FT_PROFILE"))
+    skip = profiled.step if profiled is not None else None  # that step is left out of the rate
     rate, steps, per_step = rate_from_log(rows, skip_step=skip)
     text = log_path.read_text(errors="replace")
     pred = _PREDICTED.findall(text)

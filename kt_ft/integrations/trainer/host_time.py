@@ -21,9 +21,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from kt_ft.base import settings
 from kt_ft.base.log import get_logger
-from kt_ft.base.settings import enabled, get
-from kt_ft.integrations.trainer.profile import PROFILE_ENV, STEP_ENV
+from kt_ft.base.settings import enabled
 
 logger = get_logger(__name__)
 LINE_PREFIX = "host time a step"  # the e2e benchmark reads the line (``bench/e2e.py``)
@@ -111,5 +111,6 @@ def host_time_from_env() -> HostTime | None:
     """The callback ``KT_FT_HOST_TIME`` asks for, or None."""
     if not enabled("KT_FT_HOST_TIME"):
         return None
-    skip = int(get(STEP_ENV)) if get(PROFILE_ENV) else None
+    profiled = settings.profile()
+    skip = profiled.step if profiled is not None else None
     return HostTime(skip_step=skip)

@@ -1,10 +1,10 @@
 """One optimizer step of a real `llamafactory-cli train` run under ``torch.profiler``.
 
-``KT_FT_PROFILE=DIR`` (read once, when LLaMA-Factory's tuner is imported): the optimizer step
-``KT_FT_PROFILE_STEP`` (default 3, 1-based, so start-up and the first step stay out) of this run --
-every micro-batch's forward and backward, gradient clipping and the optimizer -- is recorded with
-CPU and CUDA activities, and ``DIR/step<N>.txt`` gets the operator tables (by self CUDA time and by
-self CPU time) with the step's wall time; ``KT_FT_PROFILE_TRACE=1`` adds a gzipped Chrome trace.
+``KT_FT_PROFILE=DIR`` (read once, when LLaMA-Factory's tuner is imported): optimizer step 3 (1-based,
+so start-up and the first step stay out; ``DIR,step=N``: the N-th) of this run -- every
+micro-batch's forward and backward, gradient clipping and the optimizer -- is recorded with CPU and
+CUDA activities, and ``DIR/step<N>.txt`` gets the operator tables (by self CUDA time and by self CPU
+time) with the step's wall time; ``DIR,trace`` adds a gzipped Chrome trace (``settings.parse_profile``).
 Works for ``use_kt`` true and false alike (the HF+PEFT baseline is profiled the same way).
 
 Why in the product and not in a bench: the in-process bench's step did not predict the
@@ -21,11 +21,10 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from kt_ft.base import settings
 from kt_ft.base.log import get_logger
-from kt_ft.base.settings import enabled, get
 
 logger = get_logger(__name__)
-PROFILE_ENV, STEP_ENV, TRACE_ENV = "KT_FT_PROFILE", "KT_FT_PROFILE_STEP", "KT_FT_PROFILE_TRACE"
 
 
 class StepProfiler(TrainerCallback):
@@ -81,10 +80,11 @@ class StepProfiler(TrainerCallback):
 
 def profiler_from_env() -> StepProfiler | None:
     """The profiler ``KT_FT_PROFILE`` asks for (logged), or None."""
-    directory = get(PROFILE_ENV)
-    if not directory:
+    request = settings.profile()
+    if request is None:
         return None
-    step = int(get(STEP_ENV))
-    trace = enabled(TRACE_ENV)
-    logger.info(f"{PROFILE_ENV}={directory}: optimizer step {step} profiled ({STEP_ENV}; trace: {trace})")
-    return StepProfiler(directory, step, trace)
+    logger.info(
+        f"KT_FT_PROFILE={request.value()}: optimizer step {request.step} profiled into {request.directory}"
+        f" (trace: {request.trace})"
+    )
+    return StepProfiler(request.directory, request.step, request.trace)
