@@ -117,7 +117,7 @@ def test_e2e_tiny_trains_each_system_through_llamafactory(tmp_path):
         assert len(r["losses"]) == 2 and r["losses"][0] == r["first_loss"]
         # the trainer's start line was seen: the host peak before it is known and within the run's
         assert 0 < r["host_peak_load_bytes"] <= r["host_peak_bytes"], r
-        # KT_FT_HOST_TIME's line, read from the log: step 2 (step 1 was profiled); one thread's CPU
+        # KT_FT_RUN_REPORT's host-time line, read from the log: step 2 (step 1 was profiled); one thread's CPU
         # time cannot pass the wall time (clock ticks of 10 ms: that much slack)
         if sys.platform.startswith("linux"):
             assert r["host_step_ms"] > 0 and 0 <= r["host_main_ms"] <= r["host_step_ms"] + 10, r

@@ -59,7 +59,7 @@ def runs(demo_assets, tmp_path_factory, one_process_run):
             demo_assets,
             root / "two",
             **common,
-            **{**two, "env": {**two["env"], "KT_FT_MEMORY_REPORT": report}},
+            **{**two, "env": {**two["env"], "KT_FT_RUN_REPORT": report}},
         ),
     }
     logs = {}
@@ -98,6 +98,9 @@ def test_two_processes_match_one_with_the_same_global_batch(runs):
     assert "shared by this machine's ranks: one MAP_SHARED copy" in logs["two"]
     # one all-reduce per optimizer step (not one per micro-batch, nor per checkpointed layer)
     assert "expert-LoRA gradients averaged across ranks 4 times this run" in logs["two"]
+    # KT_FT_RUN_REPORT's host time: logged and written once (rank 0), steps 2-4 (step 1 has no start)
+    host = json.loads((root / "memory" / "host_time.json").read_text())
+    assert len(host["steps"]) == 3 and host["summary"] in logs["two"], host
     assert_close_runs(root / "two", root / "one", [1, 2, 3, 4])
 
 

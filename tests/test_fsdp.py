@@ -183,7 +183,7 @@ def runs(demo_assets, tmp_path_factory, one_process_run):
     one_process_run.start()  # "one": trains beside "fsdp2"
     wave1 = {
         "fsdp2": start_train(
-            demo_assets, root / "fsdp2", **common, **fsdp2, env={**env, "KT_FT_MEMORY_REPORT": report}
+            demo_assets, root / "fsdp2", **common, **fsdp2, env={**env, "KT_FT_RUN_REPORT": report}
         ),
     }
     for name, proc in wave1.items():

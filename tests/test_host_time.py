@@ -84,3 +84,38 @@ def test_callback_skips_the_first_and_the_profiled_step():
         cb.on_step_end(None, st, None)
     # step 1 has no start to measure from; step 3 was profiled: steps 2, 4 and 5 remain
     assert len(cb.steps) == 3 and all(w >= 0 for w, _ in cb.steps)
+
+
+def test_run_report_logs_and_writes_the_host_time(tmp_path, monkeypatch, caplog):
+    """KT_FT_RUN_REPORT=DIR asks for the callback (skipping KT_FT_PROFILE's step); at the end of
+    training the first rank logs the summary line and writes it, with every step, to
+    DIR/host_time.json; another rank writes nothing. Unset: no callback."""
+    import json
+    import logging
+
+    from kt_ft.integrations.trainer.host_time import host_time_from_env
+
+    monkeypatch.delenv("KT_FT_RUN_REPORT", raising=False)
+    assert host_time_from_env() is None
+    monkeypatch.setenv("KT_FT_RUN_REPORT", str(tmp_path / "report"))
+    monkeypatch.setenv("KT_FT_PROFILE", f"{tmp_path / 'prof'},step=2")
+    cb = host_time_from_env()
+    assert cb is not None and cb.skip_step == 2
+
+    class State:
+        global_step = 0
+        is_world_process_zero = False
+
+    st = State()
+    for step in range(1, 5):
+        st.global_step = step
+        cb.on_step_end(None, st, None)
+    cb.on_train_end(None, st, None)
+    assert not (tmp_path / "report").exists()  # not the first rank
+    st.is_world_process_zero = True
+    with caplog.at_level(logging.INFO, logger="kt_ft"):
+        cb.on_train_end(None, st, None)
+    record = json.loads((tmp_path / "report" / "host_time.json").read_text())
+    assert len(record["steps"]) == 2 and record["skipped_step"] == 2  # steps 3 and 4
+    assert record["summary"] == summary_line(cb.steps)
+    assert any(r.getMessage() == record["summary"] for r in caplog.records)

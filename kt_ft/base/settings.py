@@ -135,16 +135,13 @@ _BY_TOPIC: dict[str, tuple[Setting, ...]] = {
             "writes the step's gzipped Chrome trace (DIR,step=5,trace)",
         ),
         Setting(
-            "KT_FT_HOST_TIME",
-            "0",
-            "1: a llamafactory-cli run logs, at its end, each step's wall time and its threads' CPU "
-            "time (medians): whether a step is bound by the host's work, without a profiler's cost",
-        ),
-        Setting(
-            "KT_FT_MEMORY_REPORT",
+            "KT_FT_RUN_REPORT",
             None,
-            "DIR: at the end of training each rank writes its memory record (resident, proportional "
-            "and private bytes, the expert mapping's among them) to DIR/rank0.json, rank1.json, ...",
+            "DIR: at the end of a llamafactory-cli run's training, its host time a step is logged and "
+            "written to DIR/host_time.json (the median wall time and its threads' CPU time: whether a "
+            "step is bound by the host's work, without a profiler's cost; kt-ft on or off alike), and "
+            "each rank of a kt-ft run writes its memory record (resident, proportional and private "
+            "bytes, the expert mapping's among them) to DIR/rank0.json, rank1.json, ...",
         ),
     ),
 }

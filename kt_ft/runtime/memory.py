@@ -6,9 +6,10 @@ processes mapping it (summed over the processes of a machine, Pss is their real 
 Private counts pages only this process maps (mapped once, even in a shared mapping).
 All values are bytes.
 
-``KT_FT_MEMORY_REPORT=DIR`` makes every rank of a kt-ft training write
+``KT_FT_RUN_REPORT=DIR`` makes every rank of a kt-ft training write
 ``DIR/rank{R}.json`` at the end of training (``memory_report``), all ranks at once (between
-two barriers, so each sees the others' mappings): ``scripts/ddp_memory.py`` reads them.
+two barriers, so each sees the others' mappings): ``kt_ft/integrations/bench/probes/ddp_memory.py``
+reads them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kt_ft.base.settings import get
 from kt_ft.runtime.adapter import kt_expert_modules
 from kt_ft.runtime.shared_weights import FILE_PREFIX
 
-REPORT_ENV = "KT_FT_MEMORY_REPORT"
+REPORT_ENV = "KT_FT_RUN_REPORT"  # its host-time part: kt_ft/integrations/trainer/host_time.py
 _ROLLUP_KEYS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
 
 
@@ -79,7 +80,7 @@ def memory_record(expert_bytes: int) -> dict:
 
 
 def memory_report(model) -> Path | None:
-    """With ``KT_FT_MEMORY_REPORT=DIR``: write this rank's ``memory_record`` to DIR/rank{R}.json,
+    """With ``KT_FT_RUN_REPORT=DIR``: write this rank's ``memory_record`` to DIR/rank{R}.json,
     all ranks between two barriers. Collective (every rank calls it). None when unset."""
     directory = get(REPORT_ENV)
     if not directory:

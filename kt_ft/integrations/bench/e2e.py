@@ -139,7 +139,9 @@ def run_e2e(
         if prof_root is not None:
             own = replace(prof_root, directory=str(Path(prof_root.directory) / run_dir.name))
             env["KT_FT_PROFILE"] = own.value()
-        env["KT_FT_HOST_TIME"] = "1"  # every system's host time a step, unprofiled (``host_time.py``)
+        # every system's host time a step, unprofiled, logged at its end (``host_time.py``); the memory
+        # records of a kt-ft run's ranks beside it (``runtime/memory.py``)
+        env["KT_FT_RUN_REPORT"] = str(run_dir / "report")
         env.update(dict(system.settings))
         if system.kind == "peer":
             path = os.pathsep.join(p for p in (str(peer_site), os.environ.get("PYTHONPATH", "")) if p)

@@ -2,7 +2,7 @@
 
 LLaMA-Factory's ``trainer_log.jsonl`` gives the rate (elapsed time of a line = ``total_tokens /
 throughput``) and the losses; the run's own log gives kt-ft's lines: the cost model's predicted
-step, the CPU op's busy time, the host time a step (``KT_FT_HOST_TIME``), what was streamed and at
+step, the CPU op's busy time, the host time a step (``KT_FT_RUN_REPORT``), what was streamed and at
 which link rate (``link_bound``), and a failed run's last error.
 """
 

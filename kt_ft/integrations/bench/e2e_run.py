@@ -56,7 +56,7 @@ class E2ERecord:
     grad_accum: int = 1  # micro-batches an optimizer step
     note: str = ""
     round: int = 1  # ``--e2e-rounds``: which pass over the systems (1-based)
-    # ``KT_FT_HOST_TIME``'s line (``trainer/host_time.py``): median wall ms a step and the main
+    # ``KT_FT_RUN_REPORT``'s host-time line (``trainer/host_time.py``): median wall ms a step and the main
     # thread's CPU ms in it, unprofiled
     host_step_ms: float | None = None
     host_main_ms: float | None = None

@@ -3,7 +3,7 @@
 
 * ``llamafactory.train.tuner``: ``_training_function`` builds the callback list; kt-ft appends
   ``KTCallback`` (checkpoint manifest last, ``placement: auto``, run summary) and, when asked by
-  ``KT_FT_PROFILE`` / ``KT_FT_HOST_TIME``, the profiler and host-time callbacks. Each does
+  ``KT_FT_PROFILE`` / ``KT_FT_RUN_REPORT``, the profiler and host-time callbacks. Each does
   nothing for a model kt-ft did not attach to.
 * ``llamafactory.train.sft.workflow`` / ``pt.workflow``: for a ``use_kt`` run, the trainer class
   the workflow instantiates is kt-ft's subclass of it (``kt_trainer_class``: resume on the CPU,
@@ -32,7 +32,7 @@ def patch_tuner_module(tuner: ModuleType) -> None:
 
     def _training_function(config: dict[str, Any]) -> None:
         profiler = profiler_from_env()  # KT_FT_PROFILE: one optimizer step under torch.profiler
-        host = host_time_from_env()  # KT_FT_HOST_TIME: the threads' CPU time a step, unprofiled
+        host = host_time_from_env()  # KT_FT_RUN_REPORT: the threads' CPU time a step, unprofiled
         callbacks = [
             *(config.get("callbacks") or []),
             KTCallback(),

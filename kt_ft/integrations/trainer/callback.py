@@ -76,9 +76,8 @@ class KTCallback(TrainerCallback):
             logger.info(f"expert-LoRA gradients averaged across ranks {sync.reductions} times this run")
         if getattr(model, "_kt_ft_info", None) is not None:
             logger.info(f"run summary: {run_summary(model, state.global_step)}")
-            memory_report(
-                model
-            )  # only with KT_FT_MEMORY_REPORT set (python -m kt_ft.integrations.bench.probes.ddp_memory)
+            # only with KT_FT_RUN_REPORT set (python -m kt_ft.integrations.bench.probes.ddp_memory)
+            memory_report(model)
 
     def on_save(self, args, state, control, model=None, **kwargs):
         info = getattr(model, "_kt_ft_info", None)

@@ -1,10 +1,11 @@
 """How busy the host is during a `llamafactory-cli train` step, without a profiler.
 
-``KT_FT_HOST_TIME=1``: at the end of every optimizer step the process's threads' CPU time is read
+``KT_FT_RUN_REPORT=DIR``: at the end of every optimizer step the process's threads' CPU time is read
 from ``/proc/self/task/*/stat`` (utime + stime, clock ticks), and at the end of training one line
 gives, per step (the median over the steps after the first; the ``KT_FT_PROFILE`` step left out),
 the wall time and the CPU time of the main thread (the forward and the optimizer), of each other
-named thread (PyTorch's ``pt_autograd_<device>`` runs a GPU backward) and of the rest.
+named thread (PyTorch's ``pt_autograd_<device>`` runs a GPU backward) and of the rest; it is
+logged and written, with every step's figures, to ``DIR/host_time.json`` (by the first rank).
 
 Why: a step whose main thread is busy most of its wall time is bound by the host's per-kernel
 work (Python, dispatch, launches), not by the GPU; a profiler inflates exactly that work, so the
@@ -14,6 +15,7 @@ only (elsewhere the callback stays silent).
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -23,7 +25,6 @@ from transformers import TrainerCallback
 
 from kt_ft.base import settings
 from kt_ft.base.log import get_logger
-from kt_ft.base.settings import enabled
 
 logger = get_logger(__name__)
 LINE_PREFIX = "host time a step"  # the e2e benchmark reads the line (``bench/e2e.py``)
@@ -89,8 +90,9 @@ def summary_line(steps: list[tuple[float, dict[str, float]]], top: int = 3) -> s
 class HostTime(TrainerCallback):
     """Reads the threads' CPU time at each optimizer step's end; logs ``summary_line`` at the end."""
 
-    def __init__(self, skip_step: int | None = None) -> None:
+    def __init__(self, skip_step: int | None = None, directory: str | Path | None = None) -> None:
         self.skip_step = skip_step  # the profiled step (``KT_FT_PROFILE``): not a fair sample
+        self.directory = Path(directory) if directory else None  # host_time.json goes there
         self.steps: list[tuple[float, dict[str, float]]] = []
         self._last: tuple[float, dict] | None = None
         self._main = os.getpid()
@@ -103,14 +105,21 @@ class HostTime(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         line = summary_line(self.steps)
-        if line is not None and state.is_world_process_zero:
-            logger.info(line)
+        if line is None or not state.is_world_process_zero:
+            return
+        logger.info(line)
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            steps = [{"wall_s": w, "cpu_s": busy} for w, busy in self.steps]
+            record = {"summary": line, "skipped_step": self.skip_step, "steps": steps}
+            (self.directory / "host_time.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def host_time_from_env() -> HostTime | None:
-    """The callback ``KT_FT_HOST_TIME`` asks for, or None."""
-    if not enabled("KT_FT_HOST_TIME"):
+    """The callback ``KT_FT_RUN_REPORT`` asks for, or None."""
+    directory = settings.get("KT_FT_RUN_REPORT")
+    if not directory:
         return None
     profiled = settings.profile()
     skip = profiled.step if profiled is not None else None
-    return HostTime(skip_step=skip)
+    return HostTime(skip_step=skip, directory=directory)

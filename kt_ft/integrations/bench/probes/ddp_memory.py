@@ -5,7 +5,7 @@ H 128, I 1536, fp32: 302 MB of expert weights), then for each process count runs
 
     FORCE_TORCHRUN=1 NPROC_PER_NODE=N llamafactory-cli train recipes/demo_tiny_qwen3moe.yaml ...
 
-with ``KT_FT_MEMORY_REPORT`` set: at the end of training every rank writes its
+with ``KT_FT_RUN_REPORT`` set: at the end of training every rank writes its
 ``/proc/self/smaps_rollup`` figures and those of the shared expert mapping (see
 ``kt_ft/runtime/memory.py``), all ranks at the same moment. Prints one table row per rank and a total
 per run. PSS summed over a machine's processes is their real memory: it should grow by the
@@ -62,7 +62,7 @@ def run(demo: Path, work: Path, procs: int, steps: int, cpu_infer: int, share: b
         **os.environ,
         "FORCE_TORCHRUN": "1",
         "NPROC_PER_NODE": str(procs),
-        "KT_FT_MEMORY_REPORT": str(report),
+        "KT_FT_RUN_REPORT": str(report),
         "KT_FT_SHARE_EXPERTS": "1" if share else "0",
         "PATH": f"{cli.parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "HF_HUB_OFFLINE": "1",
