@@ -82,13 +82,14 @@ def probe(method: str, model_dir: str, warmup_dir: str | None) -> dict:
     experts = [e.name for e in plan.experts]
     if method.endswith("-experts"):
         device_map = loading.KTDeviceMap({"": "meta", **dict.fromkeys(experts, "cpu")})
-    if method.startswith("transformers"):
-        os.environ[loading.STREAM_ENV] = "0"
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     rss0, anon0, file0 = _status("VmRSS:"), _status("RssAnon:"), _status("RssFile:")
     maxrss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
-    model = loading.load_planned(model_dir, device_map, plan, dtype=torch.bfloat16)
+    if method.startswith("transformers"):  # transformers reads every weight it is given, experts too
+        model = AutoModelForCausalLM.from_pretrained(model_dir, device_map=device_map, dtype=torch.bfloat16)
+    else:  # the routed experts read by kt-ft (``loading.plan_expert_reader``)
+        model = loading.load_planned(model_dir, device_map, plan, dtype=torch.bfloat16)
     seconds = time.perf_counter() - t0
     in_experts = {n for n, _ in model.named_parameters() if n.rpartition(".")[0] in experts}
     cpu = {n: p for n, p in model.named_parameters() if p.device.type == "cpu"}
