@@ -27,7 +27,7 @@ import torch
 from helpers.lf_runs import assert_close_runs, failure_text, finish, start_train, torchrun_env
 
 from kt_ft.base.processes import Topology, threads_per_rank
-from kt_ft.runtime.shared_weights import ALIGN, layout
+from kt_ft.runtime.shared_weights import ALIGN, layout, shared_dir, sharing_enabled
 
 
 def test_cpu_infer_is_split_between_local_ranks():
@@ -35,6 +35,18 @@ def test_cpu_infer_is_split_between_local_ranks():
     assert threads_per_rank(3, Topology(1, 8, 1, 4)) == 1  # at least one thread each
     assert threads_per_rank(6, Topology(0, 2, 0, 1)) == 6  # one rank on this machine: all of them
     assert threads_per_rank(None, Topology(0, 2, 0, 2)) is None
+
+
+def test_shared_dir_off_gives_each_rank_its_copy(monkeypatch):
+    """Several ranks on a machine share the experts in KT_FT_SHARED_DIR (/dev/shm by default); off
+    (or 0) turns the sharing off, as one rank on the machine does."""
+    monkeypatch.delenv("KT_FT_SHARED_DIR", raising=False)
+    assert sharing_enabled(2) and not sharing_enabled(1) and str(shared_dir()) == "/dev/shm"
+    monkeypatch.setenv("KT_FT_SHARED_DIR", "/mnt/local")
+    assert sharing_enabled(4) and str(shared_dir()) == "/mnt/local"
+    for off in ("off", "0", "OFF"):
+        monkeypatch.setenv("KT_FT_SHARED_DIR", off)
+        assert not sharing_enabled(2), off
 
 
 def test_shared_file_layout_is_page_aligned():

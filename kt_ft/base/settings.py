@@ -45,17 +45,13 @@ _BY_TOPIC: dict[str, tuple[Setting, ...]] = {
     ),
     "Several ranks on a machine": (
         Setting(
-            "KT_FT_SHARE_EXPERTS",
-            "1",
-            "0: each rank loads a private copy of the routed experts instead of the ranks of a machine "
-            "sharing one (one more copy of the experts' host memory a rank); needed for quantized "
-            "experts with several ranks on a machine, which are not shared yet",
-        ),
-        Setting(
             "KT_FT_SHARED_DIR",
             "/dev/shm",
             "directory of the routed-expert file the ranks of a machine share: a RAM-backed file "
-            "system or a local disk with room for the experts (Docker's /dev/shm is 64 MB by default)",
+            "system or a local disk with room for the experts (Docker's /dev/shm is 64 MB by default); "
+            "off (or 0): each rank loads a private copy of the routed experts instead (one more copy "
+            "of the experts' host memory a rank), needed for quantized experts with several ranks on "
+            "a machine, which are not shared yet",
         ),
     ),
     "Memory and speed": (

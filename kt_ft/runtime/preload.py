@@ -85,7 +85,7 @@ def prepare_loading(
         raise KTConfigError(
             f"{model_path}: {quant.name} routed experts are read by one process per machine "
             "with a single training device only in this version"
-            + ("; set KT_FT_SHARE_EXPERTS=0 (each rank reads its own quantized copy)" if sharing else "")
+            + ("; set KT_FT_SHARED_DIR=off (each rank reads its own quantized copy)" if sharing else "")
         )
     reader = plan_expert_reader(model_path, config, expert_names, quant) if single_device else None
     if reader is not None:

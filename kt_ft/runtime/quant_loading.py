@@ -448,7 +448,7 @@ class QuantizedExpertReader:
         if allocate is not None:
             raise KTConfigError(
                 f"{self.model_dir}: {self.fmt.name} routed experts shared by several ranks of a machine are not "
-                "supported yet; set KT_FT_SHARE_EXPERTS=0 (each rank reads its own quantized copy)"
+                "supported yet; set KT_FT_SHARED_DIR=off (each rank reads its own quantized copy)"
             )
         release_file_mappings(model)
         total = fill_quantized_experts(model, self.sources, self.fmt)

@@ -17,7 +17,7 @@ on a machine, kt-ft instead:
    process maps them and go away with the last one (no leftover in /dev/shm after a crash
    that happens later).
 
-``KT_FT_SHARE_EXPERTS=0`` turns this off (each rank then holds a private copy), to compare.
+``KT_FT_SHARED_DIR=off`` turns this off (each rank then holds a private copy), to compare.
 
 All ranks then compute on the same physical pages (kt-ft never writes base weights: they are
 frozen and DDP is kept away from them, see ``kt_ft.runtime.distributed``). Each tensor starts on a
@@ -42,8 +42,7 @@ from kt_ft.base.settings import enabled, get
 
 logger = get_logger(__name__)
 
-SHARED_DIR_ENV = "KT_FT_SHARED_DIR"
-SHARE_ENV = "KT_FT_SHARE_EXPERTS"  # "0": every rank loads its own private copy (for comparison)
+SHARED_DIR_ENV = "KT_FT_SHARED_DIR"  # "off" (or 0): every rank loads its own private copy
 FILE_PREFIX = "kt-ft-experts-"
 ALIGN = 4096
 BASE_NAMES = ("gate_up_proj", "down_proj")
@@ -67,8 +66,8 @@ class Slot:
 
 
 def sharing_enabled(local_world_size: int) -> bool:
-    """Several ranks on this machine, and not turned off with KT_FT_SHARE_EXPERTS=0."""
-    return local_world_size > 1 and enabled(SHARE_ENV)
+    """Several ranks on this machine, and not turned off with KT_FT_SHARED_DIR=off."""
+    return local_world_size > 1 and enabled(SHARED_DIR_ENV)
 
 
 def shared_dir() -> Path:
@@ -116,14 +115,15 @@ def _check_space(directory: Path, size: int) -> None:
     except OSError as e:
         raise KTConfigError(
             f"{SHARED_DIR_ENV}={directory}: not usable for the shared routed-expert weights ({e}); "
-            "set it to an existing directory on tmpfs (RAM) or a local disk"
+            "set it to an existing directory on tmpfs (RAM) or a local disk, or to off (each rank its "
+            "own copy)"
         ) from e
     free = st.f_bavail * st.f_frsize
     if free < size:
         raise KTConfigError(
             f"{directory}: {fmt_bytes(free)} free, the shared routed-expert weights need {fmt_bytes(size)}: "
             f"enlarge it (docker: --shm-size) or set {SHARED_DIR_ENV} to a directory with room "
-            "(tmpfs or a local disk: the page cache is shared all the same)"
+            "(tmpfs or a local disk: the page cache is shared all the same), or to off (each rank its own copy)"
         )
 
 

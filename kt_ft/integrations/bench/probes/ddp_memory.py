@@ -13,7 +13,7 @@ per-process overhead (torch, LLaMA-Factory, non-expert weights), not by one expe
 
     .venv/bin/python -m kt_ft.integrations.bench.probes.ddp_memory --procs 1 2 4 --private 2 --work /tmp/ddp_memory
 
-(``--private 2``: also 2 processes with ``KT_FT_SHARE_EXPERTS=0``, each holding its own copy.)
+(``--private 2``: also 2 processes with ``KT_FT_SHARED_DIR=off``, each holding its own copy.)
 
 Needs ``torchrun`` on PATH (the venv's bin) and a source checkout (its ``recipes/``); runs on the CPU.
 """
@@ -63,12 +63,13 @@ def run(demo: Path, work: Path, procs: int, steps: int, cpu_infer: int, share: b
         "FORCE_TORCHRUN": "1",
         "NPROC_PER_NODE": str(procs),
         "KT_FT_RUN_REPORT": str(report),
-        "KT_FT_SHARE_EXPERTS": "1" if share else "0",
         "PATH": f"{cli.parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     }
+    if not share:
+        env["KT_FT_SHARED_DIR"] = "off"
     log = work / f"run{tag}.log"
     with open(log, "w") as f:
         rc = subprocess.call(
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         nargs="*",
         default=[],
-        help="also these process counts with KT_FT_SHARE_EXPERTS=0",
+        help="also these process counts with KT_FT_SHARED_DIR=off",
     )
     ap.add_argument("--cpu-infer", type=int, default=4, help="machine's expert threads, split between ranks")
     a = ap.parse_args(argv)
