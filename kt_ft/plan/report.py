@@ -456,3 +456,48 @@ def check_gpu_cap(
         f"valid: kt_gpu_memory >= {need:.1f}, or a smaller cutoff_len / per_device_train_batch_size "
         "(`kt-ft rules plan --gpu-mem` shows the numbers)"
     )
+
+
+HOST_HEADROOM = 0.9  # a run needing more than this share of the RAM available now gets a warning
+
+
+def check_host_fit(
+    report: dict, *, total: int, available: int, free: int, where: str, expert_bytes: int, quantized: bool
+) -> str | None:
+    """Before any weight is read: the run's host RAM need (``estimate``'s ``cpu`` device: the
+    weights kept there, routed experts as stored, LoRA and optimizer state, the op's buffers)
+    against this machine's (``total``, and ``available`` / ``free`` now, bytes as /proc/meminfo
+    says). More than is available: a KTConfigError saying need, have and what would fit
+    (``where``: the recipe, for the message; ``expert_bytes``: the routed experts' share of the
+    need; ``quantized``: they are already kept quantized). Fits only by evicting page cache, or
+    with little headroom: the warning line to log. Else None."""
+    cpu = report["devices"].get("cpu")
+    if cpu is None:
+        return None
+    need = cpu["total_bytes"]
+    parts = (
+        f"routed experts {fmt_bytes(expert_bytes)}, other weights {fmt_bytes(cpu['param_bytes'] - expert_bytes)}, "
+        f"LoRA and optimizer {fmt_bytes(cpu['train_state_bytes'])}, activations and buffers "
+        f"{fmt_bytes(cpu['activation_bytes'] + cpu['runtime_bytes'])}"
+    )
+    if need > available:
+        ways = []
+        if not quantized and expert_bytes:
+            # INT8 keeps one byte a weight and a scale per row: about half the bf16 experts
+            ways.append(
+                f"the experts quantized (`kt-ft quantize --format int8 MODEL OUT`, about {fmt_bytes(need - expert_bytes // 2)}"
+                " in all; int4: less)"
+            )
+        ways.append("a smaller cutoff_len, per_device_train_batch_size or chunk_size (the activations)")
+        raise KTConfigError(
+            f"{where}: this run needs {fmt_bytes(need)} of host RAM ({parts}); this machine has "
+            f"{fmt_bytes(total)}, {fmt_bytes(available)} available now: it would be killed while loading. "
+            f"What would fit: {'; '.join(ways)} (`kt-ft rules plan` shows the numbers)"
+        )
+    if need > free or need > HOST_HEADROOM * available:
+        why = "only by evicting page cache" if need > free else "with little headroom"
+        return (
+            f"host RAM: this run needs {fmt_bytes(need)} ({parts}) of {fmt_bytes(available)} available now "
+            f"({fmt_bytes(free)} free, {fmt_bytes(total)} in all): it fits {why}"
+        )
+    return None

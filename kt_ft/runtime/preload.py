@@ -7,7 +7,8 @@ format kt-ft cannot read stop here, in seconds), sets the host allocator's polic
 says how the routed experts come in: read by kt-ft straight from the files into their one CPU copy
 (``ExpertReader``; the device map keeps them on ``meta`` for ``from_pretrained``), mapped from the
 copy local rank 0 shares (the other ranks of a machine), or loaded by transformers to the CPU while
-the rest goes straight to the training GPU.
+the rest goes straight to the training GPU. A run whose host RAM need (``kt-ft rules plan``'s
+estimate) exceeds what this machine has available stops here too, saying what would fit.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kt_ft.formats.skeleton import meta_model
 from kt_ft.plan.family import family_of
 from kt_ft.plan.loader import load_rules
 from kt_ft.plan.recipe import KTConfig
-from kt_ft.plan.report import check_gpu_cap, train_sizes
+from kt_ft.plan.report import _expert_dims, check_gpu_cap, check_host_fit, estimate, train_sizes
 from kt_ft.runtime.core import resolve_rule
 from kt_ft.runtime.host_alloc import apply as apply_host_alloc
 from kt_ft.runtime.loading import plan_expert_reader, planned_device_map
@@ -65,19 +66,15 @@ def prepare_loading(
     family = family_of(config)
     rules = load_rules(resolve_rule(kt.rule, family))
     device_map, plan = planned_device_map(config, rules, family, kt.backend, kt.threads, training_device)
+    skeleton = meta_model(config, torch.bfloat16)  # the checks' estimates count bf16 weights
     if kt.gpu_memory_gib is not None and torch.device(training_device).type == "cuda":
         # too small even with every auto-placed expert on the CPU: stop before any weight is read
-        check_gpu_cap(
-            meta_model(config, torch.bfloat16),
-            plan,
-            torch.bfloat16,
-            train_sizes(kt),
-            kt.gpu_memory_gib,
-            source,
-        )
+        check_gpu_cap(skeleton, plan, torch.bfloat16, train_sizes(kt), kt.gpu_memory_gib, source)
     topo = topology()
     expert_names = [e.name for e in plan.experts]
     sharing = single_device and sharing_enabled(topo.local_world_size)
+    if topo.local_rank == 0:  # one check per machine: the ranks of a machine share one expert copy
+        check_host_memory(skeleton, plan, kt, quant, source, training_device)
     if sharing and topo.local_rank != 0:
         logger.info(f"local rank {topo.local_rank}: routed experts not read here (shared from local rank 0)")
         return Loading(meta_device_map(device_map, expert_names), mapped=True)
@@ -102,3 +99,54 @@ def prepare_loading(
         )
         return Loading(device_map)
     return Loading()
+
+
+def host_memory() -> tuple[int, int, int]:
+    """(MemTotal, MemAvailable, MemFree) in bytes, as /proc/meminfo (what ``free`` shows) says;
+    zeros where it cannot be read (not Linux)."""
+    values = {}
+    try:
+        for line in open("/proc/meminfo"):
+            key, _, rest = line.partition(":")
+            values[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0, 0
+    return values.get("MemTotal", 0), values.get("MemAvailable", 0), values.get("MemFree", 0)
+
+
+def check_host_memory(
+    model: Any, plan: Any, kt: KTConfig, quant: Any, source: str, training_device: str = "cpu"
+) -> None:
+    """The run's host RAM need (``kt-ft rules plan``'s estimate of ``model``, a bf16 meta skeleton,
+    routed experts as stored; training on the CPU, what the plan puts on the training GPU is host
+    RAM too, less the CUDA runtime) against this machine's: refused when it cannot fit, a warning
+    when it fits only by evicting page cache or with little headroom."""
+    total, available, free = host_memory()
+    if not total:
+        return
+    report = estimate(model, plan, torch.bfloat16, train_sizes(kt), expert_format=quant)
+    if torch.device(training_device).type == "cpu":
+        host = dict.fromkeys(("param_bytes", "train_state_bytes", "activation_bytes", "runtime_bytes"), 0)
+        for name, d in report["devices"].items():
+            for key in host:
+                host[key] += 0 if key == "runtime_bytes" and name != "cpu" else d[key]
+        report["devices"] = {"cpu": {**host, "total_bytes": sum(host.values())}}
+    expert_bytes = 0
+    for e in plan.experts:
+        mod = model.get_submodule(e.name)
+        if quant is None:
+            expert_bytes += sum(p.numel() for p in mod.parameters()) * 2
+        else:
+            num, hidden, inter = _expert_dims(model, e)
+            expert_bytes += num * (2 * quant.nbytes(inter, hidden) + quant.nbytes(hidden, inter))
+    warning = check_host_fit(
+        report,
+        total=total,
+        available=available,
+        free=free,
+        where=source,
+        expert_bytes=expert_bytes,
+        quantized=quant is not None,
+    )
+    if warning:
+        logger.warning(warning)
