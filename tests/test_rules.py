@@ -384,3 +384,44 @@ def test_shipped_rule_plans_a_tiny_model_of_its_family(name):
     for backend in ("torch", "kt-kernel"):
         if name.endswith(f"-{backend}"):
             assert {e.backend for e in plan.experts} == {backend}
+
+
+def test_a_key_given_twice_is_refused_not_last_wins(tmp_path):
+    """YAML takes the last of two equal keys without a word; a rule file saying one thing twice is
+    refused with both lines, at a rule's own keys and inside a value (a gpu_experts mapping)."""
+    p = write(tmp_path, "- match:\n    name: a\n    name: b\n  replace:\n    device: cpu\n")
+    with pytest.raises(
+        KTConfigError, match=re.escape(f"{p}:3: [0].match.name: given twice in one mapping (first at line 2)")
+    ):
+        load_rules(p)
+    p = write(tmp_path, "- match: {class: X}\n  replace: {device: cpu}\n  replace: {device: cuda}\n")
+    with pytest.raises(
+        KTConfigError, match=re.escape(f"{p}:3: [0].replace: given twice in one mapping (first at line 2)")
+    ):
+        load_rules(p)
+    p = write(
+        tmp_path, "- match:\n    class: X\n  replace:\n    device: cpu\n    gpu_experts: {0: [1], 0: [2]}\n"
+    )
+    with pytest.raises(KTConfigError) as info:
+        load_rules(p)
+    assert info.value.problems == [f"{p}:5: key '0': given twice in one mapping (first at line 5)"]
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("- match:\n    name: !!python/object:os.system x\n  replace:\n    device: cpu\n", 2),
+        ("- !!python/object/apply:os.system ['true']\n", 1),
+    ],
+)
+def test_a_tag_beyond_plain_yaml_is_refused_with_its_line(tmp_path, text, line):
+    """A tag the safe loader has no constructor for is kt-ft's error at file:line, not a traceback
+    from inside PyYAML; nothing is constructed."""
+    p = write(tmp_path, text)
+    tag = "tag:yaml.org,2002:" + text.split("!!")[1].split()[0]
+    with pytest.raises(KTConfigError) as info:
+        load_rules(p)
+    assert info.value.problems == [
+        f"{p}:{line}: tag {tag}: not a plain YAML value (could not determine a constructor for the tag "
+        f"'{tag}'); write the value itself"
+    ]

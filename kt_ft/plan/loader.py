@@ -165,6 +165,10 @@ def _did_you_mean(key: str, valid: tuple[str, ...]) -> str:
     return f"{hint}; valid keys: {', '.join(valid)}"
 
 
+class _Recorded(Exception):
+    """A problem the reader has recorded that leaves the current rule item without a value."""
+
+
 class _Reader:
     """Turns YAML nodes into values, recording problems as 'file:line: key.path: message'."""
 
@@ -180,7 +184,38 @@ class _Reader:
         self.problems.append(f"{self.at(node)}: {path}: {msg}")
 
     def value(self, node: yaml.Node) -> Any:
-        return self._constructor.construct_object(node, deep=True)
+        """The plain value of ``node``; a tag YAML's safe loader does not know (``!!python/object``,
+        ...) and a key given twice in a mapping inside it are problems (file:line), never a
+        traceback or a silent last-wins: recorded, then ``_Recorded`` ends the rule item."""
+        if self._duplicates(node):
+            raise _Recorded
+        try:
+            return self._constructor.construct_object(node, deep=True)
+        except yaml.YAMLError as e:
+            what = getattr(e, "problem", None) or str(e)
+            self.problem(node, f"tag {node.tag}", f"not a plain YAML value ({what}); write the value itself")
+            raise _Recorded from None
+
+    def _duplicates(self, node: yaml.Node) -> bool:
+        """Record every key given twice in a mapping at or below ``node``; True when there was one."""
+        found = False
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for knode, vnode in node.value:
+                key = knode.value if isinstance(knode, yaml.ScalarNode) else id(knode)
+                if key in seen:
+                    self.problem(
+                        knode,
+                        f"key {key!r}",
+                        f"given twice in one mapping (first at line {seen[key].start_mark.line + 1})",
+                    )
+                    found = True
+                seen.setdefault(key, knode)
+                found |= self._duplicates(vnode)
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                found |= self._duplicates(item)
+        return found
 
     def mapping(self, node: yaml.Node, path: str, valid: tuple[str, ...]) -> dict[str, yaml.Node]:
         if not isinstance(node, yaml.MappingNode):
@@ -188,9 +223,16 @@ class _Reader:
                 node, path, f"expected a mapping with keys {', '.join(valid)}, got {self.value(node)!r}"
             )
             return {}
-        out = {}
+        out: dict[str, yaml.Node] = {}
         for knode, vnode in node.value:
             key = self.value(knode)
+            if key in out:
+                self.problem(
+                    knode,
+                    f"{path}.{key}",
+                    f"given twice in one mapping (first at line {out[key].start_mark.line + 1}); keep one",
+                )
+                continue
             if key not in valid:
                 self.problem(knode, f"{path}.{key}", f"unknown key{_did_you_mean(str(key), valid)}")
                 continue
@@ -377,34 +419,39 @@ def _load(path: Path, problems: list[str], chain: tuple[Path, ...], files: list[
     default: tuple[str, str, str] | None = None  # device, where, key path
     included: list[RuleSet] = []
     for i, item in enumerate(root.value):
-        path_i = f"[{i}]"
-        first_key = (
-            r.value(item.value[0][0]) if isinstance(item, yaml.MappingNode) and len(item.value) == 1 else None
-        )
-        if first_key == "default":
-            d = r.mapping(item.value[0][1], f"{path_i}.default", KEYS_DEFAULT)
-            dnode = d.get("device", item)
-            default = (
-                r.device(d.get("device"), f"{path_i}.default.device", item.value[0][1]),
-                r.at(item),
-                f"{r.at(dnode)}: {path_i}.default.device",
+        try:
+            path_i = f"[{i}]"
+            first_key = (
+                r.value(item.value[0][0])
+                if isinstance(item, yaml.MappingNode) and len(item.value) == 1
+                else None
             )
-        elif first_key == "include":
-            target = _include_target(r, item.value[0][1], f"{path_i}.include", path)
-            if target is None:
-                continue
-            if target.resolve() in chain:
-                cycle = " -> ".join(str(p) for p in (*chain, target.resolve()))
-                r.problem(item, f"{path_i}.include", f"include cycle: {cycle}")
-                continue
-            included.append(_load(target, problems, (*chain, target.resolve()), files))
-        else:
-            before = len(problems)
-            rule = _rule(r, i, item)
-            if rule is not None:
-                rules.append(rule)
-                if len(problems) == before:
-                    clean.append(rule)
+            if first_key == "default":
+                d = r.mapping(item.value[0][1], f"{path_i}.default", KEYS_DEFAULT)
+                dnode = d.get("device", item)
+                default = (
+                    r.device(d.get("device"), f"{path_i}.default.device", item.value[0][1]),
+                    r.at(item),
+                    f"{r.at(dnode)}: {path_i}.default.device",
+                )
+            elif first_key == "include":
+                target = _include_target(r, item.value[0][1], f"{path_i}.include", path)
+                if target is None:
+                    continue
+                if target.resolve() in chain:
+                    cycle = " -> ".join(str(p) for p in (*chain, target.resolve()))
+                    r.problem(item, f"{path_i}.include", f"include cycle: {cycle}")
+                    continue
+                included.append(_load(target, problems, (*chain, target.resolve()), files))
+            else:
+                before = len(problems)
+                rule = _rule(r, i, item)
+                if rule is not None:
+                    rules.append(rule)
+                    if len(problems) == before:
+                        clean.append(rule)
+        except _Recorded:  # a value the reader already reported: the rest of this item is moot
+            continue
     # only rules that parsed cleanly: a rule whose bad `match` was dropped would look unconditional
     problems.extend(_shadowed(clean))
 
