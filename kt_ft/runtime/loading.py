@@ -73,10 +73,12 @@ def install_dispatch_guard() -> None:
 
 
 def planned_device_map(
-    config, rules, family, kt_backend: str, cpu_infer: int | None, training_device
+    config, rules, family, kt_backend: str, cpu_infer: int | None, training_device, *, skeleton=None
 ) -> tuple[KTDeviceMap, PlacementPlan]:
-    """Plan on a meta skeleton of ``config`` (raises KTConfigError before any weight is read)."""
-    plan = make_plan(meta_model(config, torch.bfloat16), rules, family, kt_backend, cpu_infer)
+    """Plan on a meta skeleton of ``config`` (``skeleton``: one the caller built already; raises
+    KTConfigError before any weight is read)."""
+    skeleton = meta_model(config, torch.bfloat16) if skeleton is None else skeleton
+    plan = make_plan(skeleton, rules, family, kt_backend, cpu_infer)
     install_dispatch_guard()
     return device_map_from_plan(plan, training_device), plan
 

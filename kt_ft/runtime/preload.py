@@ -65,8 +65,10 @@ def prepare_loading(
     apply_host_alloc(logger)  # before the weights load: the heaps' policy for the whole run
     family = family_of(config)
     rules = load_rules(resolve_rule(kt.rule, family))
-    device_map, plan = planned_device_map(config, rules, family, kt.backend, kt.threads, training_device)
-    skeleton = meta_model(config, torch.bfloat16)  # the checks' estimates count bf16 weights
+    skeleton = meta_model(config, torch.bfloat16)  # the plan and both checks' estimates (bf16 weights)
+    device_map, plan = planned_device_map(
+        config, rules, family, kt.backend, kt.threads, training_device, skeleton=skeleton
+    )
     if kt.gpu_memory_gib is not None and torch.device(training_device).type == "cuda":
         # too small even with every auto-placed expert on the CPU: stop before any weight is read
         check_gpu_cap(skeleton, plan, torch.bfloat16, train_sizes(kt), kt.gpu_memory_gib, source)
