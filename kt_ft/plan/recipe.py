@@ -148,7 +148,9 @@ class KTConfig:
     @property
     def scaling(self) -> float:
         """The expert LoRA's scale, as PEFT's: alpha / r, or alpha / sqrt(r) with rsLoRA."""
-        return self.alpha / self.rank**0.5 if self.use_rslora else self.alpha / self.rank
+        from kt_ft.formats.lora_layout import lora_scaling  # why: this module stays torch-free (doc)
+
+        return lora_scaling(rank=self.rank, alpha=self.alpha, use_rslora=self.use_rslora)
 
     def problems(self, source: str = "KTConfig", *, recipe: bool = False) -> list[str]:
         """Every invalid value, each naming ``source`` and the key (the recipe key with ``recipe``,

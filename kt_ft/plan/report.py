@@ -251,6 +251,7 @@ def estimate(
         dev(d)["param_bytes"] += p.numel() * elt if nbytes is None else nbytes
 
     lora = {"peft_params": 0, "expert_params": 0}
+    expert_bytes = 0  # every routed expert's weights as held in RAM (a resident one's host copy too)
     stream = {"layers": 0, "experts": 0, "largest_layer_bytes": 0, "buffer_bytes": 0, "bytes_per_pass": 0}
     gpu_expert_act = 0  # one recomputed layer's GPU expert activations (worst case)
     k = getattr(_text_config(model), "num_experts_per_tok", 1)
@@ -274,6 +275,7 @@ def estimate(
         else:
             per_expert = expert_numel[e.name] * elt // num
         dev(_device(e.device))["param_bytes"] += per_expert * num  # resident ones too: a copy goes to the GPU
+        expert_bytes += per_expert * num
         if on_gpu:
             # dense resident experts are kept with the expert LoRA's blocks beside them (grouped_wide.py)
             wide = 0
@@ -359,6 +361,7 @@ def estimate(
         "groups": groups,
         "lora": lora,
         "devices": devices,
+        "expert_bytes": expert_bytes,
         "stream": stream,
         "notes": plan.notes,
         "refusals": plan.refusals,

@@ -25,7 +25,7 @@ from kt_ft.formats.skeleton import meta_model
 from kt_ft.plan.family import family_of
 from kt_ft.plan.loader import load_rules
 from kt_ft.plan.recipe import KTConfig
-from kt_ft.plan.report import _expert_dims, check_gpu_cap, check_host_fit, estimate, train_sizes
+from kt_ft.plan.report import check_gpu_cap, check_host_fit, estimate, train_sizes
 from kt_ft.runtime.core import resolve_rule
 from kt_ft.runtime.host_alloc import apply as apply_host_alloc
 from kt_ft.runtime.loading import plan_expert_reader, planned_device_map
@@ -133,21 +133,13 @@ def check_host_memory(
             for key in host:
                 host[key] += 0 if key == "runtime_bytes" and name != "cpu" else d[key]
         report["devices"] = {"cpu": {**host, "total_bytes": sum(host.values())}}
-    expert_bytes = 0
-    for e in plan.experts:
-        mod = model.get_submodule(e.name)
-        if quant is None:
-            expert_bytes += sum(p.numel() for p in mod.parameters()) * 2
-        else:
-            num, hidden, inter = _expert_dims(model, e)
-            expert_bytes += num * (2 * quant.nbytes(inter, hidden) + quant.nbytes(hidden, inter))
     warning = check_host_fit(
         report,
         total=total,
         available=available,
         free=free,
         where=source,
-        expert_bytes=expert_bytes,
+        expert_bytes=report["expert_bytes"],
         quantized=quant is not None,
     )
     if warning:
