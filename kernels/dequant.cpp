@@ -31,35 +31,18 @@
 #include <immintrin.h>
 #endif
 
+#include "quant_decode.h"
 #include "team.h"
 
 extern "C" int ktft_best_isa(void);  // expert_gemm.cpp: the best path here, capped by ktft_limit_isa
 
 namespace {
 
+using ktft::e4m3_value;
+using ktft::to_bf16;
+
 constexpr int KIND_FP8 = 0, KIND_INT8 = 1;
 constexpr int ISA_AVX2 = 2;  // expert_gemm.cpp's Isa: AVX2 + FMA with the OS's AVX state, or better
-
-// e4m3fn (bias 7, no infinities, 0x7f / 0xff NaN) -> its float value
-float e4m3_value(unsigned c) {
-    const unsigned mag = c & 0x7Fu, exp = mag >> 3, man = mag & 7u;
-    float v;
-    if (mag == 0x7Fu)
-        v = std::numeric_limits<float>::quiet_NaN();
-    else if (exp == 0)
-        v = std::ldexp(static_cast<float>(man), -9);  // subnormal: man / 8 * 2^-6
-    else
-        v = std::ldexp(static_cast<float>(8 + man), static_cast<int>(exp) - 10);  // (1 + man/8) 2^(exp-7)
-    return (c & 0x80u) ? -v : v;
-}
-
-// float -> bf16 bits, round to nearest even (NaN stays a quiet NaN), as torch rounds
-uint16_t to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 // the float value of each of the 256 codes of a format (KIND_FP8: e4m3fn, KIND_INT8: two's complement)
 struct Values {
@@ -83,20 +66,11 @@ void segment_table(const uint8_t* src, int64_t n, const float* tf, const uint16_
 }
 
 #if defined(__x86_64__)
-#define AVX2_F16C __attribute__((target("avx2,fma,f16c")))
+#define AVX2_F16C KTFT_AVX2_F16C
+using ktft::bf16x8;
+using ktft::e4m3x8_over_256;
 
 bool has_avx2() { return ktft_best_isa() >= ISA_AVX2 && __builtin_cpu_supports("f16c"); }
-
-// 8 floats -> 8 bf16 bits: to_bf16's arithmetic a lane at a time
-AVX2_F16C inline __m128i bf16x8(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
-    // each 128-bit lane packs to [its 4 values, the same 4]: keep quarters 0 and 2
-    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-}
 
 AVX2_F16C inline void store8(__m256 v, float* of, uint16_t* ob, int64_t c) {
     if (of)
@@ -109,15 +83,7 @@ AVX2_F16C void segment_avx2(int kind, const uint8_t* src, int64_t n, float s, fl
     int64_t c = 0;
     if (kind == KIND_FP8) {
         const __m256 vs = _mm256_set1_ps(s * 256.f);  // exact: a power of two
-        const __m128i m7f = _mm_set1_epi16(0x7F), sign = _mm_set1_epi16(static_cast<int16_t>(0x8000));
-        const __m128i hnan = _mm_set1_epi16(0x7E00);
-        for (; c + 8 <= n; c += 8) {
-            const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c)));
-            const __m128i mag = _mm_and_si128(x, m7f);
-            __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_and_si128(x, sign));
-            h = _mm_blendv_epi8(h, hnan, _mm_cmpeq_epi16(mag, m7f));
-            store8(_mm256_mul_ps(_mm256_cvtph_ps(h), vs), of, ob, c);
-        }
+        for (; c + 8 <= n; c += 8) store8(_mm256_mul_ps(e4m3x8_over_256(src + c), vs), of, ob, c);
     } else {
         const __m256 vs = _mm256_set1_ps(s);
         for (; c + 8 <= n; c += 8) {

@@ -41,6 +41,7 @@
 #include <thread>
 #include <vector>
 
+#include "quant_decode.h"
 #include "team.h"
 
 #if defined(__x86_64__)
@@ -89,6 +90,10 @@ struct Gemm {
     float beta;
     int64_t zero_rows;          // rows M .. M + zero_rows of C are set to 0 (padding rows of the caller)
     const bf16* ap = nullptr;   // A rounded to bf16 (bf16 paths), in the layout of that path
+    // W kept quantized (b unused): each work item decodes the part of expert `expert`'s weight it
+    // reads into its thread's slab first (run())
+    const ktft::QuantW* q = nullptr;
+    int64_t expert = 0;
 };
 
 inline bool is_nt(const Gemm& g) { return g.bk == 1; }
@@ -228,6 +233,47 @@ AVX2 void pack_b_avx2(const Gemm& g, int64_t k0, int64_t kc, int64_t n0, int64_t
     }
 }
 
+// pack_b_avx2 for a weight kept quantized (g.q): the codes decoded straight into the fp32 panels,
+// each value rounded to bf16 as the dequantizers round it (so the products are those of the bf16
+// GEMM over the dequantized weight, bit for bit). NT: a panel's 16 W rows (kc inputs each) decoded
+// into `tmp` [16][KC] (L1), then transposed 8 x 8 into the panel; NN: the kc W rows' nc columns
+// decoded into the panels in place. Columns past the matrix are zero.
+AVX2 void pack_b_quant(const Gemm& g, int64_t k0, int64_t kc, int64_t n0, int64_t nc, float* dst, float* tmp) {
+    const bool vec = __builtin_cpu_supports("f16c");
+    if (is_nt(g)) {
+        for (int64_t p = 0; p < nc; p += NR, dst += kc * NR) {
+            const int64_t cols = std::min<int64_t>(NR, nc - p);
+            ktft::decode_rows(*g.q, g.expert, n0 + p, n0 + p + cols, k0, k0 + kc, tmp, KC, vec);
+            for (int64_t i = cols; i < NR; ++i) std::fill(tmp + i * KC, tmp + i * KC + kc, 0.f);
+            int64_t k = 0;
+            for (; k + 8 <= kc; k += 8)
+                for (int half = 0; half < 2; ++half) {
+                    __m256 r[8];
+                    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(tmp + (half * 8 + i) * KC + k);
+                    transpose8(r);
+                    for (int j = 0; j < 8; ++j) _mm256_store_ps(dst + (k + j) * NR + half * 8, r[j]);
+                }
+            for (; k < kc; ++k)
+                for (int j = 0; j < NR; ++j) dst[k * NR + j] = tmp[j * KC + k];
+        }
+        return;
+    }
+    ktft::decode_rows_panels(*g.q, g.expert, k0, k0 + kc, n0, n0 + nc, dst, kc * NR, vec);
+    const int64_t tail = nc % NR;  // the last panel's columns past nc
+    if (tail) {
+        float* last = dst + (nc / NR) * kc * NR;
+        for (int64_t k = 0; k < kc; ++k) std::fill(last + k * NR + tail, last + (k + 1) * NR, 0.f);
+    }
+}
+
+// the fp32 paths' packing: bf16 weights widened, or quantized ones decoded
+AVX2 inline void pack_b_f32(const Gemm& g, int64_t k0, int64_t kc, int64_t n0, int64_t nc, float* dst, float* tmp) {
+    if (g.q)
+        pack_b_quant(g, k0, kc, n0, nc, dst, tmp);
+    else
+        pack_b_avx2(g, k0, kc, n0, nc, dst);
+}
+
 // mode: 0 store, 1 add to C, 2 beta * C + acc (only the first k block uses beta)
 template <int R>
 AVX2 void kernel_avx2(int64_t kc, const float* a, int64_t lda, const float* bp, float* c, int64_t ldc,
@@ -286,10 +332,11 @@ const KernelFn KERNELS_AVX2[MR + 1] = {nullptr,           kernel_avx2<1>, kernel
 // Columns [n0, n1) of one product, all rows; pack is KC * NC floats, 64-byte aligned.
 AVX2 void gemm_avx2(const Gemm& g, int64_t n0, int64_t n1, void* pack_mem) {
     float* pack = static_cast<float*>(pack_mem);
+    alignas(64) float tmp[NR * KC];  // quantized W: decoded rows (NC <= NR * KC columns for NN)
     for (int64_t k0 = 0; k0 < g.K || (k0 == 0 && g.K == 0); k0 += KC) {
         const int64_t kc = std::min(KC, g.K - k0);
         const int mode = k0 > 0 ? 1 : first_mode(g.beta);
-        pack_b_avx2(g, k0, kc, n0, n1 - n0, pack);
+        pack_b_f32(g, k0, kc, n0, n1 - n0, pack, tmp);
         // panel outer, rows inner: the 16 KiB panel stays in L1 while A's kc-block (L2) streams
         for (int64_t p = n0; p < n1; p += NR) {
             const float* bp = pack + (p - n0) * kc;
@@ -388,10 +435,11 @@ constexpr Kernel512Fn KERNELS_AVX512[MR512 + 1] = {
 // two panels a micro-kernel call.
 AVX512 void gemm_avx512(const Gemm& g, int64_t n0, int64_t n1, void* pack_mem) {
     float* pack = static_cast<float*>(pack_mem);
+    alignas(64) float tmp[NR * KC];  // quantized W: decoded rows (NC <= NR * KC columns for NN)
     for (int64_t k0 = 0; k0 < g.K || (k0 == 0 && g.K == 0); k0 += KC) {
         const int64_t kc = std::min(KC, g.K - k0);
         const int mode = k0 > 0 ? 1 : first_mode(g.beta);
-        pack_b_avx2(g, k0, kc, n0, n1 - n0, pack);
+        pack_b_f32(g, k0, kc, n0, n1 - n0, pack, tmp);
         for (int64_t p = n0; p < n1; p += 2 * NR) {
             const float* bp = pack + (p - n0) * kc;
             const int cols = static_cast<int>(std::min<int64_t>(2 * NR, n1 - p));
@@ -845,7 +893,8 @@ using ktft::team;
 bool rounds_a(int isa) { return isa == ISA_AVX512BF16 || isa == ISA_AMX; }
 
 // columns one work item of product g computes
-int64_t chunk_cols(const Gemm& g, int isa) { return isa == ISA_AMX && !is_nt(g) ? NC_AMX_NN : NC; }
+int64_t chunk_cols(const Gemm& g, int isa) { return isa == ISA_AMX && !is_nt(g) && !g.q ? NC_AMX_NN : NC; }
+
 
 void* aligned_buffer(size_t bytes) { return std::aligned_alloc(64, round_up(std::max<size_t>(bytes, 64), 64)); }
 
@@ -869,7 +918,7 @@ struct Kept {
 struct Scratch {
     std::mutex lock;
     Kept rounded;
-    std::vector<Kept> pack, amx;  // per worker slot
+    std::vector<Kept> pack, amx, slab;  // per worker slot
 };
 
 Scratch& scratch() {
@@ -940,6 +989,47 @@ void compute(const Gemm& g, int64_t n0, int64_t n1, int isa, ThreadBuffers& tb) 
     gemm_scalar(g, n0, n1);
 }
 
+// A quantized weight's work item, columns [n0, n1): NT reads rows n0..n1 of W (all K inputs),
+// NN columns n0..n1 of W (all its K rows). They are decoded to bf16 into the thread's slab first
+// (at most NC x K: 1.8 MiB for a DeepSeek-V3 gate/up chunk, never a whole expert; decoded once,
+// read by every row block of A), then the item runs as the bf16 product over the slab: the same
+// path, blocking and sums, so the bits of the bf16 GEMM over the dequantized weight.
+void compute_quant(const Gemm& g, int64_t n0, int64_t n1, int isa, ThreadBuffers& tb, bf16* slab) {
+    const int64_t nc = n1 - n0;
+    const bool vec = isa >= ISA_AVX2 && best_isa() >= ISA_AVX2
+#ifdef KTFT_X86
+                     && __builtin_cpu_supports("f16c")
+#endif
+        ;
+    Gemm s = g;
+    s.q = nullptr;
+    s.b = slab;
+    s.c = g.c + n0;
+    s.N = nc;
+    if (is_nt(g)) {  // W rows n0..n1: [nc][K]
+        ktft::decode_rows(*g.q, g.expert, n0, n1, 0, g.K, slab, g.K, vec);
+        s.bn = g.K;
+    } else {  // W[0:K, n0:n1]: [K][ld], ld >= 16 (a row stride of 1 would read as NT: is_nt)
+        const int64_t ld = round_up(nc, 16);
+        ktft::decode_rows(*g.q, g.expert, 0, g.K, n0, n1, slab, ld, vec);
+        s.bk = ld;
+    }
+    compute(s, 0, nc, isa, tb);
+}
+
+// the paths that read a quantized weight from a decoded bf16 slab (the fp32 paths decode into
+// their packed panels instead: pack_b_quant)
+bool decodes_to_slab(int isa) { return isa != ISA_AVX2 && isa != ISA_AVX512; }
+
+// bytes of a thread's slab for quantized products on path isa (0: none)
+size_t slab_bytes(const std::vector<Gemm>& gemms, int isa) {
+    if (!decodes_to_slab(isa)) return 0;
+    size_t most = 0;
+    for (const Gemm& g : gemms)
+        if (g.q) most = std::max(most, static_cast<size_t>(NC * g.K * sizeof(bf16)));
+    return most;
+}
+
 // bytes of a thread's packing block for these products on path isa
 size_t pack_bytes(const std::vector<Gemm>& gemms, int isa) {
     switch (isa) {
@@ -969,15 +1059,17 @@ int run(std::vector<Gemm> gemms, int threads, int isa) {
     if (kept.pack.size() < static_cast<size_t>(threads)) {
         kept.pack.resize(threads);
         kept.amx.resize(threads);
+        kept.slab.resize(threads);
     }
     if (rounds_a(isa)) round_inputs(gemms, threads, isa);
-    const size_t bytes = pack_bytes(gemms, isa);
+    const size_t bytes = pack_bytes(gemms, isa), sbytes = slab_bytes(gemms, isa);
     std::atomic<int64_t> next{0};
     std::atomic<int> slots{0};
     auto worker = [&]() {
         const int slot = slots.fetch_add(1);  // this worker's kept buffers
         ThreadBuffers tb;
         if (bytes) tb.pack = kept.pack[slot].get(bytes);
+        bf16* slab = sbytes ? static_cast<bf16*>(kept.slab[slot].get(sbytes)) : nullptr;
 #ifdef KTFT_X86
         if (isa == ISA_AMX) {
             tb.amx = static_cast<AmxScratch*>(kept.amx[slot].get(sizeof(AmxScratch)));
@@ -992,7 +1084,12 @@ int run(std::vector<Gemm> gemms, int threads, int isa) {
             const int64_t n0 = (it - first[g]) * cols, n1 = std::min(gm.N, n0 + cols);
             for (int64_t r = gm.M; r < gm.M + gm.zero_rows; ++r)
                 std::memset(gm.c + r * gm.ldc + n0, 0, (n1 - n0) * sizeof(float));
-            if (gm.M > 0) compute(gm, n0, n1, isa, tb);
+            if (gm.M > 0) {
+                if (gm.q && decodes_to_slab(isa))
+                    compute_quant(gm, n0, n1, isa, tb, slab);
+                else
+                    compute(gm, n0, n1, isa, tb);
+            }
         }
 #ifdef KTFT_X86
         if (isa == ISA_AMX) amx_release();
@@ -1020,7 +1117,7 @@ int ktft_best_isa(void) { return best_isa(); }
 // above it: the tests' way to see the refusal on a CPU that has every path. 0 lifts the cap.
 void ktft_limit_isa(int cap) { isa_cap.store(cap <= 0 ? ISA_AMX : cap); }
 
-int ktft_abi_version(void) { return 2; }
+int ktft_abi_version(void) { return 3; }
 
 // One product. trans_w = 1 (NT): C[M, N] = beta C + A[M, K] @ W[N, K]^T, W row stride ldw;
 // trans_w = 0 (NN): C[M, N] = beta C + A[M, K] @ W[K, N]. All row-major with the given row
@@ -1044,6 +1141,32 @@ int ktft_grouped_gemm_bf16(int trans_w, int64_t groups, const int64_t* expert, c
     for (int64_t i = 0; i < groups; ++i)
         gemms.push_back(make(trans_w, rows[i], N, K, a + row0[i] * lda, lda, w + expert[i] * w_stride, ldw,
                              c + row0[i] * ldc, ldc, beta, pad ? pad[i] : 0));
+    return run(std::move(gemms), threads, isa);
+}
+
+// ktft_grouped_gemm_bf16 over an expert weight kept quantized: `parts` (nparts of them, rows in
+// order; kernels/quant_decode.h) describe every expert's stored codes and scales, W [rows, K]
+// (NT: rows = N; NN: rows = K, its columns N). Each work item decodes the rows or columns of W it
+// reads to bf16 (a slab of at most 128 x K per thread), then multiplies as the bf16 product: the
+// result is ktft_grouped_gemm_bf16's over the weight dequantized to bf16, bit for bit.
+// -3: the parts' rows do not add up to W's.
+int ktft_grouped_gemm_quant(int trans_w, int64_t groups, const int64_t* expert, const int64_t* row0,
+                            const int64_t* rows, const int64_t* pad, int64_t N, int64_t K, const float* a,
+                            int64_t lda, const ktft::QuantPart* parts, int nparts, float* c, int64_t ldc,
+                            float beta, int threads, int isa) {
+    int64_t wrows = 0;
+    for (int i = 0; i < nparts; ++i) wrows += parts[i].rows;
+    if (nparts < 1 || wrows != (trans_w ? N : K)) return -3;
+    const ktft::QuantW w{parts, nparts, trans_w ? K : N};
+    std::vector<Gemm> gemms;
+    gemms.reserve(groups);
+    for (int64_t i = 0; i < groups; ++i) {
+        Gemm g = make(trans_w, rows[i], N, K, a + row0[i] * lda, lda, nullptr, 0, c + row0[i] * ldc, ldc, beta,
+                      pad ? pad[i] : 0);
+        g.q = &w;
+        g.expert = expert[i];
+        gemms.push_back(g);
+    }
     return run(std::move(gemms), threads, isa);
 }
 

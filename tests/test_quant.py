@@ -33,6 +33,7 @@ from helpers.tiny_models import tiny_model
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kt_ft.backends import native
 from kt_ft.backends import quant_reference as R
 from kt_ft.backends.quant import FORMATS, pack_int4
 from kt_ft.backends.quant_detect import detect_format, take_quantization_config
@@ -544,11 +545,14 @@ def test_experts_are_dequantized_a_bounded_chunk_at_a_time(tiny_ckpts, monkeypat
 def test_unsupported_backends_are_refused(tiny_ckpts):
     from kt_ft.backends.registry import select_backend
 
-    for name in ("native", "kt-kernel", "torch-ep"):
-        with pytest.raises(KTConfigError, match="valid choices for them: auto, torch, reference"):
+    for name in ("kt-kernel", "torch-ep"):
+        with pytest.raises(KTConfigError, match="valid choices for them: auto, native, torch, reference"):
             select_backend(name, torch.bfloat16, None, "fp8")
+    # auto: native where its library runs and the experts compute in bf16, else torch, saying why
     backend, why = select_backend("auto", torch.bfloat16, None, "fp8")
-    assert backend.name == "torch" and "fp8" in why
+    assert backend.name == ("torch" if native.unavailable_reason() else "native") and "fp8" in why
+    backend, why = select_backend("auto", torch.float32, None, "fp8")
+    assert backend.name == "torch" and "native: computes bf16 only" in why
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])

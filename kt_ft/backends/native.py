@@ -5,6 +5,8 @@ to bf16 before multiplying: ``ROUNDS_TO_BF16``).
 * ``gemm_bf16_nt(x, w, out, beta)``: out[M, N] = beta * out + x[M, K] @ w[N, K]^T (forward);
 * ``gemm_bf16_nn(dy, w, out, beta)``: out[M, K] = beta * out + dy[M, N] @ w[N, K] (backward);
 * ``grouped_bf16(...)``: one product per expert over row ranges of shared buffers, one call;
+* ``grouped_quant(...)``: the same over expert weights kept quantized (FP8 blocks, INT8 rows, INT4
+  and MXFP4 groups), decoded to bf16 a work item's slab at a time (``kernels/quant_decode.h``);
 * ``silu_mul_forward`` / ``silu_mul_backward``: the experts' activation and its backward, each one
   pass over the rows (``kernels/expert_act.cpp``);
 * ``gather_rows`` / ``combine_rows``: token order -> expert order (widening bf16) and back (the
@@ -40,6 +42,7 @@ _ISA_NAMES = {code: name for name, code in ISAS.items()}
 # paths that round the fp32 activations to bf16 (to nearest even) before their products
 ROUNDS_TO_BF16 = ("avx512bf16", "amx")
 PACKAGED_DIR = Path(__file__).resolve().parent / "_native"
+ABI_VERSION = 3  # kernels/expert_gemm.cpp's ktft_abi_version: the functions and structs bound here
 _i64, _int, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ptr = ctypes.c_void_p
 
@@ -74,6 +77,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ktft_grouped_gemm_bf16.argtypes = [
         *(_int, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64),
         *(_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _f32, _int, _int),
+    ]
+    lib.ktft_grouped_gemm_quant.restype = _int
+    lib.ktft_grouped_gemm_quant.argtypes = [
+        *(_int, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64),
+        *(_ptr, _i64, _ptr, _int, _ptr, _i64, _f32, _int, _int),
     ]
     lib.ktft_silu_mul_fwd.restype = _int
     lib.ktft_silu_mul_fwd.argtypes = [_i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _int, _int]
@@ -120,9 +128,12 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         if lib_path is None:
             return None, f"could not build the native CPU kernels: {why}"
     try:
-        return _bind(ctypes.CDLL(str(lib_path))), ""
+        lib = _bind(ctypes.CDLL(str(lib_path)))
     except (OSError, AttributeError) as e:
         return None, f"could not load {lib_path}: {e}"
+    if lib.ktft_abi_version() != ABI_VERSION:
+        return None, f"{lib_path} has ABI {lib.ktft_abi_version()}, this kt-ft binds ABI {ABI_VERSION}: rebuild it"
+    return lib, ""
 
 
 def unavailable_reason() -> str | None:
@@ -254,35 +265,102 @@ def grouped_bf16(
     (w [E, N, K], a [*, N], out [*, K]). a, out fp32; w bf16 with contiguous experts' rows;
     experts/row0/rows int64 [G]; ``pad`` int64 [G] or None: then out[r+n : r+n+pad[i]] = 0 (padding
     rows); other rows of out are left alone. Returns out."""
-    _check_2d("activations", a, torch.float32)
-    _check_2d("out", out, torch.float32)
     if w.dtype != torch.bfloat16 or w.dim() != 3 or w.stride(2) != 1:
         raise ValueError(
             f"native grouped GEMM: w must be bf16 [E, N, K] with contiguous rows, got {w.dtype} {w.stride()}"
         )
-    n_w, k_w = w.shape[1:]
+    n_in, n_out = _check_groups(trans_w, a, tuple(w.shape), out, experts, row0, rows, pad)
+    code = library().ktft_grouped_gemm_bf16(
+        int(trans_w), experts.numel(), experts.data_ptr(), row0.data_ptr(), rows.data_ptr(),
+        None if pad is None else pad.data_ptr(), n_out, n_in,
+        a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), w.stride(1),
+        out.data_ptr(), out.stride(0), beta, _threads(threads), _isa(isa),
+    )  # fmt: skip
+    _call_status(code, isa)
+    return out
+
+
+def _check_groups(trans_w, a, w_shape, out, experts, row0, rows, pad) -> tuple[int, int]:
+    """The grouped products' checks (a wrong index would read or write outside the buffers);
+    returns (inputs, outputs) of each product."""
+    _check_2d("activations", a, torch.float32)
+    _check_2d("out", out, torch.float32)
+    n_w, k_w = w_shape[1:]
     k_in, n_out = (k_w, n_w) if trans_w else (n_w, k_w)
     if a.shape[1] != k_in or out.shape[1] != n_out:
         raise ValueError(
-            f"native grouped GEMM: a {tuple(a.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)}"
+            f"native grouped GEMM: a {tuple(a.shape)}, w {tuple(w_shape)}, out {tuple(out.shape)}"
         )
     for name, t in (("experts", experts), ("row0", row0), ("rows", rows), ("pad", pad)):
         if t is None:
             continue
         if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != experts.shape:
             raise ValueError(f"native grouped GEMM: {name} must be contiguous int64 like experts")
-    if rows.numel():  # a wrong index would read or write outside the buffers: refuse it here
-        if int(experts.min()) < 0 or int(experts.max()) >= w.shape[0]:
+    if rows.numel():
+        if int(experts.min()) < 0 or int(experts.max()) >= w_shape[0]:
             raise ValueError("native grouped GEMM: expert index out of range")
         end = row0 + rows + (0 if pad is None else pad)
         if int(row0.min()) < 0 or int(rows.min()) < 0 or int(end.max()) > min(a.shape[0], out.shape[0]):
             raise ValueError("native grouped GEMM: row range past the buffers")
-    code = library().ktft_grouped_gemm_bf16(
+    return k_in, n_out
+
+
+class QuantPart(ctypes.Structure):
+    """One part of an expert weight kept quantized, every expert (``kernels/quant_decode.h``
+    ``QuantPart``: same fields, same order). Byte strides for the codes, element strides for the
+    scales."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("scale_type", ctypes.c_int32),
+        ("rows", _i64),
+        ("block_rows", _i64),
+        ("group", _i64),
+        ("codes", _ptr),
+        ("code_estride", _i64),
+        ("code_ld", _i64),
+        ("scale", _ptr),
+        ("scale_estride", _i64),
+        ("scale_ld", _i64),
+    ]
+
+
+QUANT_KINDS = {"fp8": 0, "int8": 1, "int4": 2, "mxfp4": 3}  # quant_decode.h QuantKind
+SCALE_TYPES = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+    torch.uint8: 3,
+}  # ScaleType (uint8: e8m0)
+
+
+def grouped_quant(
+    trans_w: bool,
+    a: torch.Tensor,
+    parts: ctypes.Array,
+    w_shape: tuple[int, int, int],
+    out: torch.Tensor,
+    experts: torch.Tensor,
+    row0: torch.Tensor,
+    rows: torch.Tensor,
+    pad: torch.Tensor | None = None,
+    beta: float = 0.0,
+    threads: int | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """``grouped_bf16`` over a weight [E, N, K] kept quantized, described by ``parts`` (an array of
+    ``QuantPart``, rows in order: ``native_quant.quant_parts`` builds it from a
+    ``QuantizedExperts``; the caller keeps the tensors it points into alive). Each work item
+    decodes the part of W it reads to bf16 (at most 128 x K a thread), so the result is
+    ``grouped_bf16``'s over the weight dequantized to bf16, bit for bit. Returns out."""
+    n_in, n_out = _check_groups(trans_w, a, w_shape, out, experts, row0, rows, pad)
+    code = library().ktft_grouped_gemm_quant(
         int(trans_w), experts.numel(), experts.data_ptr(), row0.data_ptr(), rows.data_ptr(),
-        None if pad is None else pad.data_ptr(), n_out, k_in,
-        a.data_ptr(), a.stride(0), w.data_ptr(), w.stride(0), w.stride(1),
-        out.data_ptr(), out.stride(0), beta, _threads(threads), _isa(isa),
+        None if pad is None else pad.data_ptr(), n_out, n_in, a.data_ptr(), a.stride(0),
+        ctypes.addressof(parts), len(parts), out.data_ptr(), out.stride(0), beta, _threads(threads), _isa(isa),
     )  # fmt: skip
+    if code == -3:
+        raise ValueError(f"native quantized GEMM: the parts' rows do not add up to w's {tuple(w_shape)}")
     _call_status(code, isa)
     return out
 

@@ -2,7 +2,10 @@
 four frozen-base products through kt-ft's own C++ GEMMs (``native.py``), which read the bf16
 expert weights in place: widened to fp32 inside the packed tile (scalar, AVX2, AVX-512F paths) or
 multiplied as bf16 with the activations rounded to bf16 and fp32 sums (AVX512-BF16, AMX paths;
-``KT_FT_NATIVE_ISA`` picks, default the best the CPU runs).
+``KT_FT_NATIVE_ISA`` picks, default the best the CPU runs). Experts kept quantized (FP8, INT8,
+INT4, MXFP4: ``kt_ft.backends.quant``) are read in their stored bytes: each GEMM work item decodes
+the rows or columns of W it reads to bf16 first (``kernels/quant_decode.h``, ``native_quant.py``),
+so no expert is ever dequantized whole and the numbers are those of the dequantized bf16 weights.
 
 Why: on a CPU without native bf16 arithmetic (AVX2, no AVX512-BF16/AMX) torch's bf16 matmul
 runs at ~1 GFLOP/s while fp32 GEMMs run at tens; an fp32 copy of the weights would double the
@@ -18,16 +21,18 @@ and the padding rows of each expert (``ROW_PAD``: kept, as they let the LoRA pro
 ``bmm`` per group of experts with equal padded counts) are not computed by the base products, only
 zeroed (padding was for oneDNN's per-shape kernel cache; here it would be computed for nothing:
 ~7.5 of ~55 rows an expert at 512 tokens of DeepSeek-V2-Lite). Only the default silu layout;
-weights that are not bf16 go through torch's own GEMMs (the ``torch`` backend's path).
+weights that are neither bf16 nor quantized in a format it decodes go through torch's own GEMMs
+(the ``torch`` backend's path).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kt_ft.backends import native
+from kt_ft.backends import native, native_quant
 from kt_ft.backends.base import ExpertWeights
 from kt_ft.backends.grouped import _WS, GroupedTorchBackend, _Layout
+from kt_ft.backends.quant_weights import is_quantized
 from kt_ft.base.errors import KTConfigError
 
 BF16 = torch.bfloat16
@@ -90,7 +95,9 @@ class NativeBackend(GroupedTorchBackend):
         self._threads = threads
 
     def _native(self, base: ExpertWeights) -> bool:
-        return base.gate_up.dtype == BF16
+        # bf16 experts, or experts kept quantized that the C++ GEMMs decode (computing in bf16)
+        w = base.gate_up
+        return w.dtype == BF16 and (not is_quantized(w) or native_quant.unsupported(w) is None)
 
     def _compute_dtype(self, base: ExpertWeights) -> torch.dtype:
         return torch.float32 if self._native(base) else base.gate_up.dtype
@@ -143,6 +150,9 @@ class NativeBackend(GroupedTorchBackend):
             layout._native_plan = plan  # the layout is per call: made once, used by all four products
         threads = self._threads or torch.get_num_threads()
         # beta 1: out holds the LoRA term (the base class's products accumulate), added in the tile
+        if is_quantized(w):  # decoded a work item's slab at a time inside the GEMM
+            native_quant.grouped(trans_w, a, w, out, plan, beta=1.0, threads=threads)
+            return
         native.grouped_bf16(trans_w, a, w, out, plan[0], plan[1], plan[2], plan[3], beta=1.0, threads=threads)
 
     def _gate_up(self, layout, base, xs, out):

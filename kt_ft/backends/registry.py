@@ -35,10 +35,11 @@ BACKENDS: dict[str, type[ExpertBackend]] = {
 # passed over: ``auto_skip_reason``). native before torch: on CPUs without native bf16, torch's
 # bf16 GEMMs are ~1 GFLOP/s (docs/benchmarks.md, the op section).
 AUTO_ORDER = ("kt-kernel", "native", "torch")
-# backends that compute quantized experts (``kt_ft.backends.quant``): they dequantize the base a bounded chunk of
-# experts at a time (torch: ``experts(lo, hi)``, reference: ``gate_up[e]``); native and kt-kernel read
-# bf16 weights in place
-QUANTIZED_BACKENDS = ("torch", "reference")
+# backends that compute quantized experts (``kt_ft.backends.quant``): native decodes the stored codes inside its
+# GEMMs (a work item's slab at a time), torch and reference dequantize the base a bounded chunk of experts at a
+# time (torch: ``experts(lo, hi)``, reference: ``gate_up[e]``); kt-kernel reads bf16 weights in place.
+# `auto` takes them in this order.
+QUANTIZED_BACKENDS = ("native", "torch", "reference")
 
 
 def select_backend(
@@ -50,9 +51,15 @@ def select_backend(
     ``quantized``: the experts' storage format when kept quantized (only QUANTIZED_BACKENDS)."""
     if quantized is not None:
         if name == "auto":
+            why_not = NativeBackend.unavailable_reason(dtype, spec)
+            if why_not is None and dtype == torch.bfloat16:
+                return NativeBackend(), (
+                    f"auto: native, the fastest backend that computes {quantized} experts (its GEMMs decode "
+                    "the stored codes a work item's slab at a time, never a whole expert)"
+                )
             return GroupedTorchBackend(), (
-                f"auto: torch, the fastest backend that computes {quantized} experts (it dequantizes a bounded "
-                "chunk of experts at a time inside its products)"
+                f"auto: torch, the fastest backend that computes {quantized} experts here (it dequantizes a "
+                f"bounded chunk of experts at a time inside its products); native: {why_not or 'computes bf16 only'}"
             )
         if name not in QUANTIZED_BACKENDS:
             raise KTConfigError(

@@ -21,14 +21,23 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from kt_ft.backends.registry import BACKENDS
+from kt_ft.backends.base import ExpertWeights
+from kt_ft.backends.quant import FORMATS
+from kt_ft.backends.quant_weights import QuantizedExperts
+from kt_ft.backends.registry import BACKENDS, QUANTIZED_BACKENDS
 from kt_ft.runtime.op_timing import Preset, best_time, random_layer, time_op
 
 PRESETS = {
     "tiny": Preset("tiny", 256, 128, 8, 2, 2),
     "qwen3-30b-a3b": Preset("qwen3-30b-a3b", 2048, 768, 128, 8, 48),
     "deepseek-v2-lite": Preset("deepseek-v2-lite", 2048, 1408, 64, 6, 27),
+    # 32 of the layer's 256 experts at top-1: each expert gets the real layer's rows (T * 8 / 256)
+    # and its [4096, 7168] / [7168, 2048] weights, so the GEMMs are the real ones, in 1/8 of the
+    # RAM (2.8 GB of bf16 experts instead of 22.5); tok/s are the slice's, TFLOP/s the layer's
+    "deepseek-v3": Preset("deepseek-v3", 7168, 2048, 32, 1, 61),
 }
+# `--formats`: the layer's experts as stored (bf16, or kept quantized in a kt-ft format) for the op
+OP_FORMATS = ("bf16", "fp8", "int8", "int4", "mxfp4")
 
 
 @dataclass
@@ -49,11 +58,36 @@ def _timed(fn) -> float:
 
 
 def bench_op(
-    p: Preset, layer, backend: str, tokens: int, threads: int, repeat: int, gen: torch.Generator
+    p: Preset,
+    layer,
+    backend: str,
+    tokens: int,
+    threads: int,
+    repeat: int,
+    gen: torch.Generator,
+    fmt: str = "bf16",
 ) -> Record:
     sec = time_op(p, layer, backend, tokens, threads, repeat, gen)
     flops = 12 * p.hidden * p.inter * p.top_k * tokens
-    return Record(backend, "op", p.name, tokens, sec, tokens / sec, flops / sec / 1e12)
+    name = backend if fmt == "bf16" else f"{backend} {fmt}"
+    return Record(name, "op", p.name, tokens, sec, tokens / sec, flops / sec / 1e12)
+
+
+def quantized_layer(layer, fmt: str):
+    """``layer``'s experts kept quantized in ``fmt`` as kt-ft loads them (gate_up as two parts, gate
+    and up rows; down one part), its LoRA unchanged."""
+    base, lora = layer
+    f = FORMATS[fmt]
+
+    def stored(w: torch.Tensor, parts: int) -> QuantizedExperts:
+        rows = w.shape[1] // parts
+        stacked = []
+        for i in range(parts):
+            per = [f.quantize(w[e, i * rows : (i + 1) * rows]) for e in range(w.shape[0])]
+            stacked.append({k: torch.stack([q[k] for q in per]) for k in per[0]})
+        return QuantizedExperts(f, stacked, [rows] * parts, w.shape[2], w.dtype)
+
+    return ExpertWeights(stored(base.gate_up, 2), stored(base.down, 1)), lora
 
 
 def bench_gemm(p: Preset, tokens: int, threads: int, repeat: int, gen: torch.Generator) -> list[Record]:
@@ -141,14 +175,19 @@ def run(
     backends: list[str],
     threads: int,
     repeat: int,
+    formats: tuple[str, ...] = ("bf16",),
 ) -> list[Record]:
     p = PRESETS[preset]
     gen = torch.Generator().manual_seed(0)
     names = list(backends)
     records: list[Record] = []
     layer = random_layer(p, 8, gen) if names else None
-    jobs = [(t, n) for t in tokens for n in [*names, "gemm"]]
-    for t, n in tqdm(jobs, desc=f"bench {preset}", unit="case"):
+    layers = {f: layer if f == "bf16" else quantized_layer(layer, f) for f in formats} if names else {}
+    jobs = [
+        (t, n, f) for t in tokens for f in formats for n in names if f == "bf16" or n in QUANTIZED_BACKENDS
+    ]
+    jobs += [(t, "gemm", "bf16") for t in tokens]
+    for t, n, f in tqdm(jobs, desc=f"bench {preset}", unit="case"):
         if n == "gemm":
             records.extend(bench_gemm(p, t, threads, repeat, gen))
             records.extend(fp32_ceiling(p, t, threads, repeat, gen))
@@ -156,9 +195,9 @@ def run(
             continue  # the plain loop at this size takes minutes and adds nothing
         else:
             try:
-                records.append(bench_op(p, layer, n, t, threads, repeat, gen))
+                records.append(bench_op(p, layers[f], n, t, threads, repeat, gen, fmt=f))
             except Exception as e:  # one broken backend must not hide the others' figures
-                print(f"backend {n} failed at {t} tokens: {type(e).__name__}: {e}")
+                print(f"backend {n} ({f}) failed at {t} tokens: {type(e).__name__}: {e}")
     print(
         f"\n{preset}: H {p.hidden}, I {p.inter}, E {p.experts}, top-{p.top_k}, one layer, {threads} threads, fwd+bwd"
     )
@@ -171,7 +210,28 @@ def run(
         if r.kind == "op" and r.tokens in ceiling:
             c = ceiling[r.tokens]
             print(f"{r.name} at {r.tokens} tokens: {r.tflops / c.tflops:.2f}x the same-run {c.name}")
+    for line in format_ratios(records):
+        print(line)
     return records
+
+
+def format_ratios(records: list[Record]) -> list[str]:
+    """Each quantized op against the same backend on bf16 and against torch on the same format,
+    same run, same tokens (the ratios of throughput)."""
+    rate = {(r.name, r.tokens): r.tok_s for r in records if r.kind == "op"}
+    lines = []
+    for (name, t), v in rate.items():
+        if " " not in name:
+            continue
+        backend, fmt = name.split(" ", 1)
+        parts = []
+        if (backend, t) in rate:
+            parts.append(f"{v / rate[(backend, t)]:.2f}x {backend} bf16")
+        if backend != "torch" and (f"torch {fmt}", t) in rate:
+            parts.append(f"{v / rate[(f'torch {fmt}', t)]:.2f}x torch {fmt}")
+        if parts:
+            lines.append(f"{name} at {t} tokens: {', '.join(parts)}")
+    return lines
 
 
 def write_json(path: str, threads: int, records: list) -> None:

@@ -154,6 +154,7 @@ def _rules_plan(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from kt_ft.integrations.bench.op import (  # why: torch on use only
+        OP_FORMATS,
         PRESETS,
         available_backends,
         run,
@@ -236,8 +237,19 @@ def _bench(args: argparse.Namespace) -> int:
     flags = worker_flags(args.profile, args.trace, args.replan)  # the step and placement workers'
     records: list = []
     if "op" in parts:
+        formats = tuple(args.formats.split(","))
+        bad = [f for f in formats if f not in OP_FORMATS]
+        if bad:
+            raise KTConfigError(
+                f"--formats {args.formats!r}: {bad[0]!r} is unknown; valid choices: {', '.join(OP_FORMATS)}"
+            )
         records += run(
-            args.preset, [int(t) for t in args.tokens.split(",")], backends, args.threads, args.repeat
+            args.preset,
+            [int(t) for t in args.tokens.split(",")],
+            backends,
+            args.threads,
+            args.repeat,
+            formats,
         )
     if "step" in parts:
         step_backends = [b for b in backends if b != "reference"]  # the plain loop: minutes per step
@@ -351,7 +363,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench", help="benchmark the CPU expert op (every available backend) and GEMM ceilings"
     )
-    bench.add_argument("--preset", default="tiny", help="tiny | qwen3-30b-a3b | deepseek-v2-lite")
+    bench.add_argument(
+        "--preset", default="tiny", help="tiny | qwen3-30b-a3b | deepseek-v2-lite | deepseek-v3 (op)"
+    )
+    bench.add_argument(
+        "--formats",
+        default="bf16",
+        help="op part: comma-separated storage of the layer's experts: bf16, fp8, int8, int4, mxfp4 "
+        "(quantized ones run on the backends that compute them)",
+    )
     bench.add_argument("--tokens", default="512,2048,4096", help="comma-separated token counts per call")
     bench.add_argument("--backends", default=None, help="comma-separated backends (default: all available)")
     bench.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
