@@ -996,22 +996,25 @@ void compute(const Gemm& g, int64_t n0, int64_t n1, int isa, ThreadBuffers& tb) 
 // path, blocking and sums, so the bits of the bf16 GEMM over the dequantized weight.
 void compute_quant(const Gemm& g, int64_t n0, int64_t n1, int isa, ThreadBuffers& tb, bf16* slab) {
     const int64_t nc = n1 - n0;
-    const bool vec = isa >= ISA_AVX2 && best_isa() >= ISA_AVX2
+    // the decoders' level: AVX-512BW where the path is a bf16 one (those CPUs have it), AVX2 + F16C
+    int level = 0;
 #ifdef KTFT_X86
-                     && __builtin_cpu_supports("f16c")
+    if (isa >= ISA_AVX512BF16)
+        level = 2;
+    else if (isa >= ISA_AVX2 && __builtin_cpu_supports("f16c"))
+        level = 1;
 #endif
-        ;
     Gemm s = g;
     s.q = nullptr;
     s.b = slab;
     s.c = g.c + n0;
     s.N = nc;
     if (is_nt(g)) {  // W rows n0..n1: [nc][K]
-        ktft::decode_rows(*g.q, g.expert, n0, n1, 0, g.K, slab, g.K, vec);
+        ktft::decode_rows(*g.q, g.expert, n0, n1, 0, g.K, slab, g.K, level);
         s.bn = g.K;
     } else {  // W[0:K, n0:n1]: [K][ld], ld >= 16 (a row stride of 1 would read as NT: is_nt)
         const int64_t ld = round_up(nc, 16);
-        ktft::decode_rows(*g.q, g.expert, 0, g.K, n0, n1, slab, ld, vec);
+        ktft::decode_rows(*g.q, g.expert, 0, g.K, n0, n1, slab, ld, level);
         s.bk = ld;
     }
     compute(s, 0, nc, isa, tb);

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -302,9 +303,74 @@ inline int64_t rows_left_in_part(const QuantW& w, int64_t r) {
 }
 
 #if defined(__x86_64__)
+#define KTFT_AVX512BW __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+
+// 16 codes from column c (a multiple of 16) of a row, as float values before the scale (FP8's / 256)
+template <int Kind>
+KTFT_AVX512BW inline __m512 values16(const uint8_t* codes, int64_t c) {
+    if (Kind == Q_FP8) {  // e4m3x8_over_256's bit moves, 16 lanes of 16 bits
+        const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c)));
+        const __m256i m7f = _mm256_set1_epi16(0x7F);
+        const __m256i mag = _mm256_and_si256(x, m7f);
+        __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                    _mm256_and_si256(x, _mm256_set1_epi16(static_cast<int16_t>(0x8000))));
+        h = _mm256_mask_mov_epi16(h, _mm256_cmpeq_epi16_mask(mag, m7f), _mm256_set1_epi16(0x7E00));
+        return _mm512_cvtph_ps(h);
+    }
+    if (Kind == Q_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c))));
+    // 8 bytes -> 16 nibbles in column order (byte j: low nibble column 2j, high 2j + 1)
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c / 2)));
+    const __m128i lohi = _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0xF)), _mm_slli_epi16(_mm_srli_epi16(b, 4), 8));
+    const __m512i nib = _mm512_cvtepu8_epi32(lohi);
+    if (Kind == Q_INT4) return _mm512_cvtepi32_ps(_mm512_sub_epi32(nib, _mm512_set1_epi32(8)));
+    const __m512 table = _mm512_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f,
+                                        -4.f, -6.f);
+    return _mm512_permutexvar_ps(nib, table);
+}
+
+// 16 floats -> 16 bf16 bits, to_bf16's arithmetic (NaN: quiet, upper bits kept)
+KTFT_AVX512BW inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+// segment8_rows for bf16 outputs, 16 columns a step with AVX-512 (the bf16 GEMM paths' slabs)
+template <int Kind, int R>
+KTFT_AVX512BW inline int64_t segment16_rows(const uint8_t* const* codes, int64_t c0, int64_t n, const float* s,
+                                            const Row<uint16_t>* outs, int64_t j0) {
+    __m512 vs[R];
+    for (int i = 0; i < R; ++i) vs[i] = _mm512_set1_ps(Kind == Q_FP8 ? s[i] * 256.f : s[i]);
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512 v[R];
+        for (int i = 0; i < R; ++i) v[i] = values16<Kind>(codes[i], c0 + j);
+        for (int i = 0; i < R; ++i)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(outs[i].at(j0 + j)), bf16x16(_mm512_mul_ps(v[i], vs[i])));
+    }
+    return j;
+}
+
+template <int R>
+KTFT_AVX512BW inline int64_t segment16_rows_any(int kind, const uint8_t* const* codes, int64_t c0, int64_t n,
+                                                const float* s, const Row<uint16_t>* outs, int64_t j0) {
+    switch (kind) {
+        case Q_FP8: return segment16_rows<Q_FP8, R>(codes, c0, n, s, outs, j0);
+        case Q_INT8: return segment16_rows<Q_INT8, R>(codes, c0, n, s, outs, j0);
+        case Q_INT4: return segment16_rows<Q_INT4, R>(codes, c0, n, s, outs, j0);
+        default: return segment16_rows<Q_MXFP4, R>(codes, c0, n, s, outs, j0);
+    }
+}
+#endif
+
+#if defined(__x86_64__)
 // rows [r, r + R) of W (expert e; all inside one part), columns [c0, c1): row r + i into outs[i]
 // (column c at outs[i].at(c - c0)); the rows' loads interleave (segment8_rows)
-template <int R, class Out>
+template <int R, class Out, bool Wide = false>
 KTFT_AVX2_F16C inline void decode_rows_interleaved(const QuantW& w, int64_t e, int64_t r, int64_t c0, int64_t c1,
                                                    const Out* outs) {
     int64_t pr = r;
@@ -318,7 +384,9 @@ KTFT_AVX2_F16C inline void decode_rows_interleaved(const QuantW& w, int64_t e, i
         float s[R];
         for (int i = 0; i < R; ++i) s[i] = scale_value(p, scales, ((pr + i) / p.block_rows) * p.scale_ld + gi);
         int64_t j = 0;
-        if (c % 8 == 0 && (c - c0) % 8 == 0) switch (p.kind) {
+        if constexpr (Wide && std::is_same<Out, Row<uint16_t>>::value)
+            if (c % 16 == 0) j = segment16_rows_any<R>(p.kind, codes, c, end - c, s, outs, c - c0);
+        if (c % 8 == 0 && (c - c0) % 8 == 0 && j == 0) switch (p.kind) {
                 case Q_FP8: j = segment8_rows<Q_FP8, R, Out>(codes, c, end - c, s, outs, c - c0); break;
                 case Q_INT8: j = segment8_rows<Q_INT8, R, Out>(codes, c, end - c, s, outs, c - c0); break;
                 case Q_INT4: j = segment8_rows<Q_INT4, R, Out>(codes, c, end - c, s, outs, c - c0); break;
@@ -332,27 +400,32 @@ KTFT_AVX2_F16C inline void decode_rows_interleaved(const QuantW& w, int64_t e, i
 
 constexpr int ROWS_AT_ONCE = 16;  // rows decoded together where they can (decode_rows_interleaved)
 
-// Rows [r0, r1) of W (expert e), columns [c0, c1): row r into out(r - r0) (an Out). With vec, 16
-// rows of one part at a time through decode_rows_interleaved (rows a few cache lines each and a
-// row stride apart, as the GEMMs read them, stalled on each row's first load one row at a time:
-// 0.6-0.8x the bf16 GEMM at DeepSeek-V3's [4096, 7168] experts; 16 at once, 0.93-0.99x), else
-// row by row.
+// Rows [r0, r1) of W (expert e), columns [c0, c1): row r into out(r - r0) (an Out). level: 0 plain
+// loops, 1 AVX2 + F16C, 2 also AVX-512BW (bf16 outputs 16 columns a step); the caller checked the
+// CPU. From level 1, 16 rows of one part at a time through decode_rows_interleaved (rows a few
+// cache lines each and a row stride apart, as the GEMMs read them, stalled on each row's first
+// load one row at a time: 0.6-0.8x the bf16 GEMM at DeepSeek-V3's [4096, 7168] experts; 16 at
+// once, 0.93-0.99x), else row by row.
 template <class MakeOut>
 inline void decode_block(const QuantW& w, int64_t e, int64_t r0, int64_t r1, int64_t c0, int64_t c1, MakeOut out,
-                         bool vec) {
+                         int level) {
     for (int64_t r = r0; r < r1;) {
 #if defined(__x86_64__)
-        if (vec && r + ROWS_AT_ONCE <= r1 && rows_left_in_part(w, r) >= ROWS_AT_ONCE) {
-            decltype(out(0)) outs[ROWS_AT_ONCE];
+        if (level > 0 && r + ROWS_AT_ONCE <= r1 && rows_left_in_part(w, r) >= ROWS_AT_ONCE) {
+            using Out = decltype(out(0));
+            Out outs[ROWS_AT_ONCE];
             for (int i = 0; i < ROWS_AT_ONCE; ++i) outs[i] = out(r - r0 + i);
-            decode_rows_interleaved<ROWS_AT_ONCE>(w, e, r, c0, c1, outs);
+            if (level > 1)
+                decode_rows_interleaved<ROWS_AT_ONCE, Out, true>(w, e, r, c0, c1, outs);
+            else
+                decode_rows_interleaved<ROWS_AT_ONCE, Out, false>(w, e, r, c0, c1, outs);
             r += ROWS_AT_ONCE;
             continue;
         }
 #endif
         int64_t pr = r;
         const QuantPart& p = part_of(w, pr);
-        decode_part_row(p, e, pr, c0, c1, out(r - r0), vec);
+        decode_part_row(p, e, pr, c0, c1, out(r - r0), level > 0);
         ++r;
     }
 }
@@ -360,15 +433,15 @@ inline void decode_block(const QuantW& w, int64_t e, int64_t r0, int64_t r1, int
 // dst[(r - r0) * ld + (c - c0)] = W[r, c] of expert e for rows [r0, r1), columns [c0, c1)
 template <class T>
 inline void decode_rows(const QuantW& w, int64_t e, int64_t r0, int64_t r1, int64_t c0, int64_t c1, T* dst,
-                        int64_t ld, bool vec) {
-    decode_block(w, e, r0, r1, c0, c1, [=](int64_t i) { return Row<T>{dst + i * ld}; }, vec);
+                        int64_t ld, int level) {
+    decode_block(w, e, r0, r1, c0, c1, [=](int64_t i) { return Row<T>{dst + i * ld}; }, level);
 }
 
 // rows [r0, r1) of W (expert e), columns [c0, c1), into the fp32 paths' NN panels: row r's column
 // c0 + j at Panels{dst + (r - r0) * 16, stride}.at(j)
 inline void decode_rows_panels(const QuantW& w, int64_t e, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
-                               float* dst, int64_t stride, bool vec) {
-    decode_block(w, e, r0, r1, c0, c1, [=](int64_t i) { return Panels{dst + i * 16, stride}; }, vec);
+                               float* dst, int64_t stride, int level) {
+    decode_block(w, e, r0, r1, c0, c1, [=](int64_t i) { return Panels{dst + i * 16, stride}; }, level);
 }
 
 }  // namespace ktft
