@@ -52,9 +52,13 @@ BENCH_FLAGS=()  # the step and placement parts' diagnostics
   --parts placement --layers "${PLACEMENT_LAYERS:-4}" --seq "${SEQ:-2048}" --threads "$THREADS" --caps "${CAPS:-24,38,80}" \
   --placements "${PLACEMENTS:-cpu,auto,stream}" --systems "${PLACEMENT_SYSTEMS:-peft-gpu}" \
   --json "$OUT/placement.json" --plot "$OUT/placement.png" ${BENCH_FLAGS[@]+"${BENCH_FLAGS[@]}"} 2>&1 | tr '\r' '\n' | grep -v "it/s\]$\|run/s\]$" | tee "$OUT/placement.log"
-[[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft bench --preset "${PRESET:-qwen3-30b-a3b}" --parts op \
-  --tokens "${TOKENS:-512,2048,4096}" --threads "$THREADS" --repeat 2 --json "$OUT/bench.json" 2>&1 \
-  | tr '\r' '\n' | grep -v "it/s\]$\|case/s\]$" | tee "$OUT/bench.log"
+# op: OP_PRESETS (default PRESET), FORMATS (bf16, fp8, int8, int4, mxfp4), BACKENDS (default: all that run)
+for preset in ${OP_PRESETS:-${PRESET:-qwen3-30b-a3b}}; do
+  [[ $PARTS == *op* ]] && timeout "${BENCH_TIMEOUT:-420}" python3 -m kt_ft bench --preset "$preset" --parts op \
+    --tokens "${TOKENS:-512,2048,4096}" --threads "$THREADS" --repeat 2 --formats "${FORMATS:-bf16}" \
+    ${BACKENDS:+--backends "$BACKENDS"} --json "$OUT/bench-$preset.json" 2>&1 \
+    | tr '\r' '\n' | grep -v "it/s\]$\|case/s\]$" | tee "$OUT/bench-$preset.log"
+done
 for preset in ${STEP_PRESETS:-qwen3-30b-a3b}; do
   [[ $PARTS == *step* ]] && timeout "${STEP_TIMEOUT:-420}" python3 -m kt_ft bench --preset "$preset" --parts step \
     --layers "${STEP_LAYERS:-2,4}" --seq "${SEQ:-2048}" --threads "$THREADS" --json "$OUT/step-$preset.json" \
