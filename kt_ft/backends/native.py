@@ -132,7 +132,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     except (OSError, AttributeError) as e:
         return None, f"could not load {lib_path}: {e}"
     if lib.ktft_abi_version() != ABI_VERSION:
-        return None, f"{lib_path} has ABI {lib.ktft_abi_version()}, this kt-ft binds ABI {ABI_VERSION}: rebuild it"
+        return (
+            None,
+            f"{lib_path} has ABI {lib.ktft_abi_version()}, this kt-ft binds ABI {ABI_VERSION}: rebuild it",
+        )
     return lib, ""
 
 

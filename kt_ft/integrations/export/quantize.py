@@ -60,13 +60,23 @@ DEQUANTIZED_FROM = "kt_ft_dequantized_from"  # config.json key: the quantized ch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _selected(fmt: QuantFormat, key: str, t: torch.Tensor) -> bool:
-    """Whether ``key`` is stored quantized in format ``fmt``."""
+def selected(fmt: QuantFormat, key: str, t: torch.Tensor) -> bool:
+    """Whether ``key`` (a plain checkpoint's tensor ``t``) is stored quantized in format ``fmt``, as the
+    models distributed in it are (module doc)."""
     if t.dim() != 2 or not t.is_floating_point():
         return False
     if fmt.name == "fp8":  # DeepSeek-V3: every linear projection but the router and lm_head
         return bool(PROJ.search(key)) and not key.endswith("mlp.gate.weight")
     return bool(ROUTED.search(key))  # Kimi K2: the routed experts only
+
+
+def quantization_config(fmt: QuantFormat, ignored: set[str]) -> dict:
+    """config.json's ``quantization_config`` for a checkpoint in ``fmt``; ``ignored``: the projections
+    (key stems without ``.weight``) left unquantized, listed as compressed-tensors' ``ignore``."""
+    qc = fmt.quantization_config()
+    if fmt.name in ("int4", "int8"):
+        qc["ignore"] = sorted(ignored | {"lm_head"})
+    return qc
 
 
 def _prepare_out(model_dir: Path, out_dir: Path) -> tuple[Path, dict, list[Path]]:
@@ -202,7 +212,7 @@ def quantize_checkpoint(
                 return _to_cpu(quantize_fused_transposed(fmt, t.to(device), key))
             counts["kept"] += 1
             return {key: t}
-        if not _selected(fmt, key, t):
+        if not selected(fmt, key, t):
             counts["kept"] += 1
             if t.dim() == 2 and PROJ.search(key):
                 ignored.add(key[: -len(".weight")])
@@ -212,10 +222,7 @@ def quantize_checkpoint(
         return {stem + name: v for name, v in _to_cpu(fmt.quantize(t.to(device))).items()}
 
     def edit(config):
-        qc = fmt.quantization_config()
-        if fmt.name in ("int4", "int8"):
-            qc["ignore"] = sorted(ignored | {"lm_head"})
-        config["quantization_config"] = qc
+        config["quantization_config"] = quantization_config(fmt, ignored)
 
     counts = _rewrite(model_dir, out_dir, convert, f"quantize -> {fmt.name}", edit)
     logger.info(
