@@ -49,6 +49,33 @@ def test_chunked_loss_is_the_cross_entropy_of_the_full_logits(monkeypatch, divis
     torch.testing.assert_close(got_h, want_h, rtol=0, atol=1e-6 * want_h.abs().max().item())
 
 
+@pytest.mark.parametrize("lacks_bf16", [True, False])
+def test_bf16_loss_on_a_cpu_without_bf16_is_computed_in_fp32(monkeypatch, lacks_bf16):
+    """KT_FT_CPU_UPCAST: on a CPU without bf16 arithmetic (forced here), the bf16 lm_head's products run
+    in fp32, the weight upcast a block of rows at a time (3 blocks, the last short): within fp32
+    rounding of the float64 loss of the same bf16 values; with native bf16, torch's bf16 products
+    (within bf16's rounding)."""
+    from kt_ft.backends import cpu_fp32
+
+    monkeypatch.setattr(cpu_fp32, "_cpu_lacks_bf16", lambda: lacks_bf16)
+    monkeypatch.setattr(cpu_fp32, "BLOCK_BYTES", 20 * 16 * 4)  # 20 rows of the [50, 16] weight a block
+    gen = torch.Generator().manual_seed(_seed())
+    n, h, v = 29, 16, 50
+    hidden = torch.randn(n, h, generator=gen).bfloat16().requires_grad_(True)
+    weight = torch.randn(v, h, generator=gen).bfloat16()
+    targets = torch.randint(0, v, (n,), generator=gen)
+    h64 = hidden.detach().double().requires_grad_(True)
+    want = F.cross_entropy(F.linear(h64, weight.double()), targets, reduction="sum") / n
+    (want_h,) = torch.autograd.grad(want, h64)
+    got = lm_loss.chunked_lm_loss(hidden, weight, None, targets, n)
+    (got_h,) = torch.autograd.grad(got, hidden)
+    assert cpu_fp32.upcasts(weight.device, weight.dtype) == lacks_bf16
+    tol = 1e-5 if lacks_bf16 else 2e-2  # fp32 sums of bf16 values, or bf16 logits
+    assert abs(got.item() - want.item()) <= tol * abs(want.item())
+    # the gradient is returned in bf16 either way: its rounding (2^-8) bounds both
+    assert (got_h.double() - want_h).abs().max() <= 2**-7 * want_h.abs().max()
+
+
 def _pair(family="qwen3_moe", **overrides):
     """A PEFT model with kt-ft's experts and the chunked loss, and its twin with the model's own loss."""
     base = get_peft_model(

@@ -659,11 +659,14 @@ def test_the_estimate_of_a_run_counts_loaded_quantized_experts_as_stored(tiny_ck
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_linear_is_the_dequantized_linear(fmt, dtype):
+def test_quantized_linear_is_the_dequantized_linear(fmt, dtype, monkeypatch):
     """Forward and input gradient equal (bitwise: the same dequantized W, the same product) those of
-    an nn.Linear holding W dequantized; nothing of W's size [out, in] is saved for the backward."""
+    an nn.Linear holding W dequantized; nothing of W's size [out, in] is saved for the backward.
+    (KT_FT_CPU_UPCAST=0: torch's own product in the model's dtype on any CPU; the fp32 products of a
+    CPU without bf16 are the next test's.)"""
     from kt_ft.runtime.quant_linear import QuantizedLinear
 
+    monkeypatch.setenv("KT_FT_CPU_UPCAST", "0")
     gen = torch.Generator().manual_seed(SEED)
     print(f"seed {SEED}")
     # not multiples of the FP8 block (128) nor of the INT4 group times 8; mxfp4: whole groups of 32
@@ -689,6 +692,34 @@ def test_quantized_linear_is_the_dequantized_linear(fmt, dtype):
     assert all(n < out * inp for n in sizes), sizes
     assert q.weight.dtype == torch.uint8 and not q.weight.requires_grad
     assert q.stored_nbytes() == f.nbytes(out, inp)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_linear_on_a_cpu_without_bf16_computes_in_fp32(fmt, monkeypatch):
+    """KT_FT_CPU_UPCAST on a CPU without bf16 arithmetic (forced here): a bf16 QuantizedLinear's W is
+    dequantized to fp32 and the product runs in fp32: output and input gradient are the fp32
+    product of the same values rounded once to bf16 (bitwise), and within bf16 rounding of torch's
+    bf16 product."""
+    from kt_ft.backends import cpu_fp32
+    from kt_ft.runtime.quant_linear import QuantizedLinear
+
+    monkeypatch.setattr(cpu_fp32, "_cpu_lacks_bf16", lambda: True)
+    gen = torch.Generator().manual_seed(SEED)
+    print(f"seed {SEED}")
+    out, inp = 48, 80
+    f = FORMATS[fmt]
+    stored = f.quantize(torch.randn(out, inp, generator=gen) * 0.1)
+    q = QuantizedLinear(f, stored, out_features=out, in_features=inp, bias=None, dtype=torch.bfloat16)
+    x = torch.randn(7, inp, generator=gen).bfloat16().requires_grad_(True)
+    y = q(x)
+    g = torch.randn(y.shape, generator=gen).bfloat16()
+    (dx,) = torch.autograd.grad(y, x, g)
+    w32 = f.dequantize(stored, torch.float32)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, (x.detach().float() @ w32.t()).bfloat16())
+    assert torch.equal(dx, (g.float() @ w32).bfloat16())
+    monkeypatch.setenv("KT_FT_CPU_UPCAST", "0")
+    y_bf16 = q(x)
+    assert (y_bf16.float() - y.float()).abs().max() <= 2**-7 * y.float().abs().max()
 
 
 def test_peft_wraps_a_quantized_linear_with_a_float_lora():

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kt_ft.backends import cpu_fp32
 from kt_ft.base.log import get_logger
 
 logger = get_logger(__name__)
@@ -178,7 +179,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, divisor):
         n, vocab = hidden.shape[0], weight.shape[0]
-        rows = max(1, CHUNK_BYTES // (vocab * 4))
+        # fp32 products on a CPU without bf16 arithmetic (KT_FT_CPU_UPCAST): each chunk upcasts the
+        # whole weight a block at a time, so chunks are 4x larger there
+        up = cpu_fp32.upcasts(weight.device, weight.dtype)
+        rows = max(1, (4 if up else 1) * CHUNK_BYTES // (vocab * 4))
         need = ctx.needs_input_grad[0]
         # in the model's dtype: the product's own output (what autograd through ``.float()`` gives
         # too); the backward applies the incoming gradient in float32
@@ -192,7 +196,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
         losses = []
         for s in range(0, n, rows):
             e = min(n, s + rows)
-            logits = F.linear(hidden[s:e], weight, bias).float()  # [c, V], as transformers upcasts
+            if up:
+                logits = cpu_fp32.linear_fp32(hidden[s:e], weight, bias)
+            else:
+                logits = F.linear(hidden[s:e], weight, bias).float()  # [c, V], as transformers upcasts
             logp = torch.log_softmax(logits, dim=-1)
             del logits
             losses.append(F.nll_loss(logp, targets[s:e], ignore_index=IGNORE_INDEX, reduction="sum"))
@@ -202,7 +209,10 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 p = logp.exp_()
                 p.scatter_add_(1, safe[s:e], minus_one[: e - s])
                 p.mul_(scale[s:e])
-                torch.mm(p.to(weight.dtype), weight, out=grad_h[s:e])
+                if up:
+                    grad_h[s:e] = cpu_fp32.mm_fp32(p, weight)
+                else:
+                    torch.mm(p.to(weight.dtype), weight, out=grad_h[s:e])
             del logp
         if not losses:  # no rows
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)

@@ -95,6 +95,15 @@ _BY_TOPIC: dict[str, tuple[Setting, ...]] = {
             "numerics",
         ),
         Setting(
+            "KT_FT_CPU_UPCAST",
+            "1",
+            "0: on a CPU without native bf16 (no AVX512-BF16 or AMX), the frozen products outside the "
+            "routed experts that run on it (the loss's lm_head product, linear layers kept quantized) "
+            "run in bf16 as torch does, ~5x slower there than fp32; 1 (the default) computes them in "
+            "fp32 from their bf16 (or quantized) weights upcast a block at a time, outputs in bf16",
+            "numerics",
+        ),
+        Setting(
             "KT_FT_NATIVE_BUILD",
             "1",
             "0: never compile the native CPU kernels at run time, only use a library built at install "

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kt_ft.backends import cpu_fp32
 from kt_ft.backends.quant import QuantFormat
 
 
@@ -91,6 +92,13 @@ class _QuantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module):
         ctx.module = module
+        dt = module.compute_dtype
+        # on a CPU without bf16 arithmetic: W dequantized to fp32, the product in fp32 (KT_FT_CPU_UPCAST)
+        ctx.up = cpu_fp32.upcasts(x.device, dt)
+        if ctx.up:
+            w = module.fmt.dequantize(module.stored(), torch.float32)
+            with torch.autocast("cpu", enabled=False):
+                return F.linear(x.float(), w, None if bias is None else bias.float()).to(dt)
         w = module.dequantized()
         return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
 
@@ -98,5 +106,10 @@ class _QuantLinear(torch.autograd.Function):
     def backward(ctx, grad):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
-        w = ctx.module.dequantized()
+        module = ctx.module
+        if ctx.up:
+            w = module.fmt.dequantize(module.stored(), torch.float32)
+            with torch.autocast("cpu", enabled=False):
+                return (grad.float() @ w).to(module.compute_dtype), None, None, None
+        w = module.dequantized()
         return grad.to(w.dtype) @ w, None, None, None
