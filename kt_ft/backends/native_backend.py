@@ -27,6 +27,8 @@ weights that are neither bf16 nor quantized in a format it decodes go through to
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kt_ft.backends import native, native_quant
@@ -40,7 +42,12 @@ BF16 = torch.bfloat16
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX, where torch's oneDNN bf16 GEMMs are fast: torch's own CPU probes where
-    this torch has them (2.11 dropped ``_is_avx512_bf16_supported``), else the kernel's CPU flags."""
+    this torch has them (2.11 dropped ``_is_avx512_bf16_supported``), else the kernel's CPU flags.
+    False where oneDNN's own ``ONEDNN_MAX_CPU_ISA`` caps it below its bf16 GEMMs (e.g. ``AVX2``):
+    torch's bf16 products are then as slow as on a CPU without them."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()  # oneDNN's variable, read as oneDNN does
+    if cap and cap not in ("ALL", "DEFAULT") and not any(t in cap for t in ("BF16", "AMX", "FP16", "AVX10")):
+        return False
     cpu = torch._C._cpu
     probes = [getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     if all(callable(p) for p in probes):

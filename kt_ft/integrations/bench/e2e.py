@@ -68,6 +68,7 @@ from kt_ft.integrations.bench.e2e_logs import _HOST  # noqa: F401
 from kt_ft.integrations.bench.e2e_report import one_line, print_table, write_json
 from kt_ft.integrations.bench.e2e_run import E2ERecord, run_system
 from kt_ft.integrations.bench.e2e_systems import System, write_recipe
+from kt_ft.integrations.bench.real_width import REAL_WIDTH
 
 
 def run_e2e(
@@ -130,7 +131,8 @@ def run_e2e(
         run_dir.mkdir(parents=True)
         recipe = write_recipe(
             run_dir, system, model_dir=quant_dirs.get(system.quant, model_dir), data_dir=data_dir, preset=preset, cutoff_len=cutoff_len,
-            steps=steps, grad_accum=grad_accum, threads=threads, bf16=cuda, cpu_infer=cpu_infer,
+            steps=steps, grad_accum=grad_accum, threads=threads, bf16=cuda or preset in REAL_WIDTH,
+            cpu_infer=cpu_infer,
         )  # fmt: skip
         print(f"[{system.name}] llamafactory-cli train {recipe}", flush=True)
         # KT_FT_PROFILE=DIR for the bench: each run profiles one step into DIR/<system> (that step

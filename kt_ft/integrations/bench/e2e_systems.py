@@ -118,6 +118,12 @@ def write_rule(run_dir: Path, model_dir: Path, system: System) -> Path | None:
     return path
 
 
+def _has_cuda() -> bool:
+    import torch  # why: only where a recipe is written
+
+    return torch.cuda.is_available()
+
+
 def write_recipe(
     run_dir: Path,
     system: System,
@@ -165,6 +171,8 @@ def write_recipe(
         "seed": 42,
         "bf16": bf16,
     }
+    if bf16 and not _has_cuda():  # HF refuses bf16 without a GPU unless told the run is on the CPU
+        recipe["use_cpu"] = True
     if system.kind == "peer":
         # LLaMA-Factory 0.9.5's own keys: transformers-kt's TrainingArguments takes ``kt_config``
         # (kt_kernel.sft.config.KTConfig fields); LF itself passes lora_rank / alpha and cutoff_len.

@@ -74,6 +74,16 @@ MODEL_CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
+def _real_width() -> None:
+    """The flagship presets (``real_width.REAL_WIDTH``: one definition) in ``MODEL_CONFIGS`` too."""
+    from kt_ft.integrations.bench.real_width import REAL_WIDTH  # why: torch loads with it
+
+    MODEL_CONFIGS.update({name: (t, cfg) for name, (t, cfg, _) in REAL_WIDTH.items()})
+
+
+_real_width()
+
+
 @dataclass
 class StepRecord:
     name: str  # system, e.g. "kt-ft[torch]", "peft-gpu", "offload"
@@ -98,6 +108,21 @@ def build_model_dir(preset: str, layers: int, out: Path, seed: int = 0) -> tuple
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from kt_ft.integrations.bench.real_width import REAL_WIDTH, config_for, write_random_checkpoint
+
+    if preset in REAL_WIDTH:  # too large to build whole: written shard by shard as distributed
+        with torch.device("meta"):
+            n = sum(
+                p.numel() for p in AutoModelForCausalLM.from_config(config_for(preset, layers)).parameters()
+            )
+            n_full = sum(
+                p.numel()
+                for p in AutoModelForCausalLM.from_config(
+                    config_for(preset, REAL_WIDTH[preset][1]["num_hidden_layers"])
+                ).parameters()
+            )
+        write_random_checkpoint(preset, layers, out, seed=seed)
+        return out, n / n_full
     model_type, cfg = MODEL_CONFIGS[preset]
     real_layers = cfg["num_hidden_layers"]
     config = AutoConfig.for_model(model_type, **{**cfg, "num_hidden_layers": layers})

@@ -153,6 +153,7 @@ def _rules_plan(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from kt_ft.integrations.bench.models import MODEL_CONFIGS  # why: lazy CLI
     from kt_ft.integrations.bench.op import (  # why: torch on use only
         OP_FORMATS,
         PRESETS,
@@ -166,9 +167,12 @@ def _bench(args: argparse.Namespace) -> int:
     parts = args.parts.split(",")
     if args.preset in VL_PRESETS and parts != ["e2e"]:
         raise KTConfigError(f"--preset {args.preset!r} (vision-language) runs with --parts e2e only")
-    if args.preset not in PRESETS and args.preset not in VL_PRESETS:
+    known = [*PRESETS, *(m for m in MODEL_CONFIGS if m not in PRESETS), *VL_PRESETS]
+    if args.preset not in known:
+        raise KTConfigError(f"--preset {args.preset!r} is unknown; valid choices: {', '.join(known)}")
+    if "op" in parts and args.preset not in PRESETS:
         raise KTConfigError(
-            f"--preset {args.preset!r} is unknown; valid choices: {', '.join([*PRESETS, *VL_PRESETS])}"
+            f"--preset {args.preset!r} has no op layer; the op part's presets: {', '.join(PRESETS)}"
         )
     for part in parts:
         if part not in ("op", "step", "placement", "e2e", "gen"):
