@@ -28,6 +28,10 @@
 //     the pair-interleaved operand; NN packs a 64-column strip of W as bf16 pairs.
 // The bf16 paths differ from the fp32 ones only by A's rounding to bf16 (relative 2^-8 per
 // element): bf16 x bf16 products are exact in fp32 and are summed in fp32.
+// Weights kept quantized (FP8, INT8, INT4, MXFP4: kernels/quant_decode.h) take the same paths:
+// the fp32 ones decode the codes into their packed panels, the scalar and bf16 ones decode a work
+// item's rows or columns into a bf16 slab first; either way the bits of the bf16 GEMM over the
+// dequantized weight (ktft_grouped_gemm_quant).
 // Threads: the caller's count, plain std::threads per call taking work items from an atomic
 // counter (no OpenMP: torch ships its own runtime, and two spinning OpenMP pools on the same
 // cores slow each other down). The bf16 paths first round A (one pass, same team), then compute.
@@ -989,8 +993,9 @@ void compute(const Gemm& g, int64_t n0, int64_t n1, int isa, ThreadBuffers& tb) 
     gemm_scalar(g, n0, n1);
 }
 
-// A quantized weight's work item, columns [n0, n1): NT reads rows n0..n1 of W (all K inputs),
-// NN columns n0..n1 of W (all its K rows). They are decoded to bf16 into the thread's slab first
+// A quantized weight's work item on the scalar and bf16 paths (the fp32 ones decode into their
+// panels: pack_b_quant), columns [n0, n1): NT reads rows n0..n1 of W (all K inputs), NN columns
+// n0..n1 of W (all its K rows). They are decoded to bf16 into the thread's slab first
 // (at most NC x K: 1.8 MiB for a DeepSeek-V3 gate/up chunk, never a whole expert; decoded once,
 // read by every row block of A), then the item runs as the bf16 product over the slab: the same
 // path, blocking and sums, so the bits of the bf16 GEMM over the dequantized weight.

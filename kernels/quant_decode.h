@@ -13,8 +13,10 @@
 //     a bf16 / fp16 / float32 scale per 32 columns;
 //   * MXFP4 (OCP microscaling, gpt-oss): fp4 e2m1 codes (bit 3 the sign, bits 0-2 index 0, 0.5, 1,
 //     1.5, 2, 3, 4, 6), byte c/2's low nibble for even c as INT4; an e8m0 scale (2^(s - 127)) per 32.
-// The AVX2 + F16C path decodes 8 columns a step and gives the scalar path's bits (both round the
-// same float32 product); segments never cross a scale group.
+// The AVX2 + F16C path decodes 8 columns a step, the AVX-512BW one (bf16 outputs) 16, 16 rows at a
+// time where the GEMMs read short pieces of many rows; all give the plain loops' bits (they round
+// the same float32 product); segments never cross a scale group. Outputs are bf16 bits, or floats
+// holding those bf16 values (the fp32 GEMM paths' packed panels).
 #pragma once
 
 #include <algorithm>
