@@ -27,6 +27,7 @@ from transformers import TrainerCallback
 from kt_ft.base.log import get_logger
 from kt_ft.base.processes import barrier
 from kt_ft.formats.manifest import write_manifest
+from kt_ft.integrations.trainer.preempt import Preemption
 from kt_ft.runtime.memory import memory_report
 from kt_ft.runtime.run_stats import PhasePeaks, run_summary
 
@@ -37,11 +38,17 @@ class KTCallback(TrainerCallback):
     """Writes kt_adapter_manifest.json into each checkpoint-N once the Trainer has filled it; steps
     ``placement: auto``'s re-planner; logs the run's summary at its end."""
 
+    def __init__(self) -> None:
+        self._preempt: Preemption | None = None
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and getattr(model, "_kt_ft_info", None) is not None:
             model._kt_ft_defer_checkpoint_manifest = (
                 True  # runtime/adapter.py's save hook leaves it to on_save
             )
+            self._preempt = Preemption()  # SIGTERM / SIGINT: finish the step, save, exit (preempt.py)
+            if not self._preempt.install():
+                self._preempt = None
         run = getattr(model, "_kt_ft_run", None)
         replanner = run.replanner if run is not None else None
         if replanner is not None:
@@ -69,8 +76,13 @@ class KTCallback(TrainerCallback):
         run = getattr(model, "_kt_ft_run", None)
         if run is not None:
             run.step(state.global_step)  # placement: auto: re-plan when routing drifted
+        if self._preempt is not None and self._preempt.requested:
+            control.should_save = True  # this step's checkpoint, then on_save exits
+            control.should_training_stop = True
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self._preempt is not None:
+            self._preempt.restore()
         sync = getattr(model, "_kt_ft_grad_sync", None)
         if sync is not None:
             logger.info(f"expert-LoRA gradients averaged across ranks {sync.reductions} times this run")
@@ -86,8 +98,17 @@ class KTCallback(TrainerCallback):
         # With several processes every rank writes its own rng_state_{rank}.pth, with no barrier
         # before this callback: wait for all of them before rank 0 hashes the directory.
         barrier()
+        preempted = self._preempt is not None and self._preempt.requested
         if not state.is_world_process_zero:
+            if preempted:  # the signal reached every rank (torchrun passes it on): all stop here
+                raise SystemExit(self._preempt.exit_code())
             return
         directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if directory.is_dir():
             write_manifest(directory, info, with_trainer_state=True)
+        if preempted:
+            logger.warning(
+                f"preempted: {directory} is complete (manifest written); resume from it with "
+                f"resume_from_checkpoint: {directory}, or the same command with overwrite_output_dir: false"
+            )
+            raise SystemExit(self._preempt.exit_code())
