@@ -20,7 +20,10 @@ import functools
 import torch
 
 from kt_ft.backends.native_backend import cpu_has_native_bf16
+from kt_ft.base.log import get_logger
 from kt_ft.base.settings import enabled
+
+logger = get_logger(__name__)
 
 BLOCK_BYTES = 128 * 2**20  # fp32 bytes of one upcast block of a weight's rows
 LOW = (torch.bfloat16, torch.float16)
@@ -31,9 +34,20 @@ def _cpu_lacks_bf16() -> bool:
     return not cpu_has_native_bf16()
 
 
+@functools.lru_cache(maxsize=1)
+def _say_once() -> None:
+    logger.info(
+        "this CPU has no native bf16 arithmetic: the loss's lm_head product and the linear layers kept "
+        "quantized run in fp32 from their bf16 / stored weights, a block at a time (KT_FT_CPU_UPCAST=0: bf16)"
+    )
+
+
 def upcasts(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a product with a frozen weight of ``dtype`` on ``device`` runs in fp32 (module doc)."""
-    return device.type == "cpu" and dtype in LOW and enabled("KT_FT_CPU_UPCAST") and _cpu_lacks_bf16()
+    up = device.type == "cpu" and dtype in LOW and enabled("KT_FT_CPU_UPCAST") and _cpu_lacks_bf16()
+    if up:
+        _say_once()
+    return up
 
 
 def block_rows(weight: torch.Tensor) -> int:
