@@ -108,7 +108,11 @@ def build_model_dir(preset: str, layers: int, out: Path, seed: int = 0) -> tuple
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kt_ft.integrations.bench.real_width import REAL_WIDTH, config_for, write_random_checkpoint
+    from kt_ft.integrations.bench.real_width import (  # why: torch loads with it
+        REAL_WIDTH,
+        config_for,
+        write_random_checkpoint,
+    )
 
     if preset in REAL_WIDTH:  # too large to build whole: written shard by shard as distributed
         with torch.device("meta"):
