@@ -112,6 +112,12 @@ inline float scale_value(const QuantPart& p, const void* base, int64_t i) {
     }
 }
 
+// the first scale of expert e in part p (scale_value's base)
+inline const void* expert_scales(const QuantPart& p, int64_t e) {
+    const size_t bytes = p.scale_type == S_F32 ? 4 : p.scale_type == S_E8M0 ? 1 : 2;
+    return static_cast<const uint8_t*>(p.scale) + e * p.scale_estride * static_cast<int64_t>(bytes);
+}
+
 // the value of column c of a row (codes: the row's first byte), before the scale
 inline float code_value(int kind, const uint8_t* codes, int64_t c) {
     switch (kind) {
@@ -274,8 +280,7 @@ KTFT_AVX2_F16C inline void segment_avx2(int kind, const uint8_t* codes, int64_t 
 template <class Out>
 inline void decode_part_row(const QuantPart& p, int64_t e, int64_t r, int64_t c0, int64_t c1, Out out, bool vec) {
     const uint8_t* codes = p.codes + e * p.code_estride + r * p.code_ld;
-    const size_t scale_bytes = p.scale_type == S_F32 ? 4 : p.scale_type == S_E8M0 ? 1 : 2;
-    const void* scales = static_cast<const uint8_t*>(p.scale) + (e * p.scale_estride) * scale_bytes;
+    const void* scales = expert_scales(p, e);
     const int64_t srow = (r / p.block_rows) * p.scale_ld;
     for (int64_t c = c0; c < c1;) {
         const int64_t gi = c / p.group, end = std::min(c1, (gi + 1) * p.group);
@@ -379,8 +384,7 @@ KTFT_AVX2_F16C inline void decode_rows_interleaved(const QuantW& w, int64_t e, i
     const QuantPart& p = part_of(w, pr);
     const uint8_t* codes[R];
     for (int i = 0; i < R; ++i) codes[i] = p.codes + e * p.code_estride + (pr + i) * p.code_ld;
-    const size_t scale_bytes = p.scale_type == S_F32 ? 4 : p.scale_type == S_E8M0 ? 1 : 2;
-    const void* scales = static_cast<const uint8_t*>(p.scale) + (e * p.scale_estride) * scale_bytes;
+    const void* scales = expert_scales(p, e);
     for (int64_t c = c0; c < c1;) {
         const int64_t gi = c / p.group, end = std::min(c1, (gi + 1) * p.group);
         float s[R];
