@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
 #include "rows.h"
 
 // the wide vector helpers below are always inlined into functions of their own width: the ABI of
@@ -99,19 +100,9 @@ KTFT_INLINE typename Vec<W>::h narrow_bf16(typename Vec<W>::f v) {
     return __builtin_convertvector((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded, typename V::h);
 }
 
-KTFT_INLINE float widen1(uint16_t v) {
-    const uint32_t u = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
+KTFT_INLINE float widen1(uint16_t v) { return ktft::bf16_to_f32(v); }
 
-KTFT_INLINE uint16_t narrow1(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+KTFT_INLINE uint16_t narrow1(float f) { return ktft::to_bf16(f); }
 
 struct Fwd {
     int64_t inter;

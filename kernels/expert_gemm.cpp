@@ -75,12 +75,7 @@ constexpr int64_t TILE_K = 32;    // bf16 elements in an AMX tile row (64 bytes)
 
 inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-inline float bf16_to_f32(bf16 v) {
-    uint32_t u = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
+using ktft::bf16_to_f32;
 
 // One product: C[M, N] = beta * C + A[M, K] @ B[K, N], B(k, n) = b[k * bk + n * bn] (bf16).
 struct Gemm {

@@ -30,6 +30,8 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 namespace ktft {
 
 enum QuantKind : int32_t { Q_FP8 = 0, Q_INT8 = 1, Q_INT4 = 2, Q_MXFP4 = 3 };
@@ -56,14 +58,6 @@ struct QuantW {
     int nparts;
     int64_t cols;
 };
-
-// float -> bf16 bits, round to nearest even (NaN stays a quiet NaN), as torch rounds
-inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-    return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 inline float bits_f32(uint32_t u) {
     float f;
@@ -132,8 +126,6 @@ inline float code_value(int kind, const uint8_t* codes, int64_t c) {
     }
 }
 
-inline float bf16_bits_f32(uint16_t b) { return bits_f32(static_cast<uint32_t>(b) << 16); }
-
 // Where decoded column j of a row segment goes. Row<T>: a row of T (uint16_t: bf16 bits; float:
 // floats holding bf16 values, the fp32 GEMM paths); Panels: the fp32 paths' NN packing, 16
 // columns a panel, `stride` floats from one panel to the next (8 consecutive j from a multiple of
@@ -150,7 +142,7 @@ struct Panels {
 };
 
 inline void put(uint16_t* d, float v) { *d = to_bf16(v); }
-inline void put(float* d, float v) { *d = bf16_bits_f32(to_bf16(v)); }
+inline void put(float* d, float v) { *d = bf16_to_f32(to_bf16(v)); }
 
 // out.at(j0 + j) = bf16(value(column c0 + j) * s) for j < n, plain loop
 template <class Out>
