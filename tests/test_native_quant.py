@@ -45,15 +45,12 @@ def need(isa: str) -> None:
 
 def quantized(fmt_name: str, experts: int, part_rows: int, cols: int, g: torch.Generator, scale_dtype=None):
     """Random experts [experts, 2 * part_rows, cols] stored in ``fmt_name``, two parts."""
-    fmt = FORMATS[fmt_name]
-    parts = []
-    for _ in range(2):
-        per = [fmt.quantize(torch.randn(part_rows, cols, generator=g) * 0.02) for _ in range(experts)]
-        part = {k: torch.stack([p[k] for p in per]) for k in per[0]}
-        if scale_dtype is not None:
+    dense = torch.randn(experts, 2 * part_rows, cols, generator=g) * 0.02
+    w = QuantizedExperts.from_dense(FORMATS[fmt_name], dense.bfloat16(), parts=2)
+    if scale_dtype is not None:
+        for part in w.parts:
             part["weight_scale"] = part["weight_scale"].to(scale_dtype)
-        parts.append(part)
-    return QuantizedExperts(fmt, parts, [part_rows, part_rows], cols, torch.bfloat16)
+    return w
 
 
 @pytest.mark.parametrize("isa", PATHS)
@@ -118,14 +115,10 @@ def test_native_backend_on_quantized_experts_is_the_dequantized_base(fmt, isa, m
     ids = ids.clone()
     ids[::5, 1] = -1
     w = w.masked_fill(ids < 0, 0)
-    fmt_obj = FORMATS[fmt]
-
-    def q(wt):
-        per = [fmt_obj.quantize(wt[i]) for i in range(wt.shape[0])]
-        parts = [{k: torch.stack([p[k] for p in per]) for k in per[0]}]
-        return QuantizedExperts(fmt_obj, parts, [wt.shape[1]], wt.shape[2], torch.bfloat16)
-
-    qbase = ExpertWeights(q(base.gate_up), q(base.down))
+    f = FORMATS[fmt]
+    qbase = ExpertWeights(
+        QuantizedExperts.from_dense(f, base.gate_up), QuantizedExperts.from_dense(f, base.down)
+    )
     dbase = ExpertWeights(qbase.gate_up.dequantize_all(), qbase.down.dequantize_all())
     monkeypatch.setenv("KT_FT_NATIVE_ISA", isa)
     got = run_backend("native", qbase, lora, x, ids, w, gy, 2.0)

@@ -54,6 +54,18 @@ class QuantizedExperts:
         self.transposed = transposed
         self.num_experts = next(iter(parts[0].values())).shape[0]
 
+    @classmethod
+    def from_dense(cls, fmt: QuantFormat, w: torch.Tensor, parts: int = 1) -> QuantizedExperts:
+        """A fused weight ``w`` [E, rows, cols] stored in ``fmt`` as kt-ft loads one: ``parts`` equal
+        row blocks (2 for ``gate_up_proj``: gate then up), each expert's block quantized on its own;
+        computes in ``w``'s dtype. (The op bench and the tests make their quantized layers so.)"""
+        rows = w.shape[1] // parts
+        stacked = []
+        for i in range(parts):
+            per = [fmt.quantize(w[e, i * rows : (i + 1) * rows]) for e in range(w.shape[0])]
+            stacked.append({k: torch.stack([q[k] for q in per]) for k in per[0]})
+        return cls(fmt, stacked, [rows] * parts, w.shape[2], w.dtype)
+
     @property
     def shape(self) -> torch.Size:
         rows = sum(self.part_rows)

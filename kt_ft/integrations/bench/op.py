@@ -78,16 +78,9 @@ def quantized_layer(layer, fmt: str):
     and up rows; down one part), its LoRA unchanged."""
     base, lora = layer
     f = FORMATS[fmt]
-
-    def stored(w: torch.Tensor, parts: int) -> QuantizedExperts:
-        rows = w.shape[1] // parts
-        stacked = []
-        for i in range(parts):
-            per = [f.quantize(w[e, i * rows : (i + 1) * rows]) for e in range(w.shape[0])]
-            stacked.append({k: torch.stack([q[k] for q in per]) for k in per[0]})
-        return QuantizedExperts(f, stacked, [rows] * parts, w.shape[2], w.dtype)
-
-    return ExpertWeights(stored(base.gate_up, 2), stored(base.down, 1)), lora
+    return ExpertWeights(
+        QuantizedExperts.from_dense(f, base.gate_up, 2), QuantizedExperts.from_dense(f, base.down)
+    ), lora
 
 
 def bench_gemm(p: Preset, tokens: int, threads: int, repeat: int, gen: torch.Generator) -> list[Record]:
